@@ -1,0 +1,17 @@
+"""Backends: one file per technology, reachable by name through the registry in `base`."""
+
+from aitune_hf.backends.base import Backend, BuiltBackend, backend_names, get_backend, register_backend
+from aitune_hf.backends.eager import EagerBackend
+from aitune_hf.backends.inductor import InductorBackend
+from aitune_hf.backends.onnxruntime import OnnxRuntimeBackend
+
+__all__ = [
+    "Backend",
+    "BuiltBackend",
+    "EagerBackend",
+    "InductorBackend",
+    "OnnxRuntimeBackend",
+    "backend_names",
+    "get_backend",
+    "register_backend",
+]

@@ -1,0 +1,87 @@
+"""The backend protocol and the name -> class registry.
+
+A backend knows one technology and nothing of Hugging Face or of the tuning core: it receives a module,
+the forward to reproduce, and sample calls as plain ``(args, kwargs)`` pairs, and returns a callable.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@dataclass
+class BuiltBackend:
+    """What `Backend.build` returns: the callable that replaces the forward, and what it baked in."""
+
+    fn: Callable[..., Any]
+    bakes_weights: bool = False
+    artifacts: list[Path] = field(default_factory=list)
+
+
+class Backend(abc.ABC):
+    """One way of running a module's forward. Subclasses set `name` and implement `build`."""
+
+    name: str = ""
+    #: True when the built callable holds its own copy of the weights (edits to the module go unseen).
+    bakes_weights: bool = False
+    #: True when the built callable supports autograd (so it may serve calls with grad enabled).
+    supports_autograd: bool = False
+
+    def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
+        """Why this backend cannot run on `devices`, or None when it can."""
+        return None
+
+    @abc.abstractmethod
+    def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
+        """Build a callable equivalent to ``forward`` for calls shaped like ``samples`` (one signature)."""
+
+    def describe(self) -> str:
+        """The name shown in reports (options included)."""
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.describe()!r})"
+
+
+_BUILTIN: dict[str, str] = {
+    "eager": "aitune_hf.backends.eager:EagerBackend",
+    "inductor": "aitune_hf.backends.inductor:InductorBackend",
+    "onnxruntime": "aitune_hf.backends.onnxruntime:OnnxRuntimeBackend",
+}
+_REGISTRY: dict[str, type[Backend]] = {}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    """Class decorator: make a backend reachable by its `name`."""
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} must set a non-empty `name` to be registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def backend_names() -> list[str]:
+    """Every backend name that `get_backend` accepts."""
+    return sorted(set(_BUILTIN) | set(_REGISTRY))
+
+
+def get_backend(spec: str | Backend) -> Backend:
+    """A backend instance from a name (default options) or an instance (returned as is)."""
+    if isinstance(spec, Backend):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"a backend is a name or a Backend instance, got {type(spec).__name__}: {spec!r}")
+    if spec not in _REGISTRY and spec in _BUILTIN:
+        module_name, class_name = _BUILTIN[spec].split(":")
+        _REGISTRY[spec] = getattr(importlib.import_module(module_name), class_name)
+    if spec not in _REGISTRY:
+        raise ValueError(f"unknown backend {spec!r}; valid names: {', '.join(backend_names())}")
+    return _REGISTRY[spec]()
