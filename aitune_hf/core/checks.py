@@ -1,0 +1,78 @@
+"""Output comparison: same structure, finite values, and values within dtype-aware tolerances of eager."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+
+@dataclass
+class CheckResult:
+    """Whether a candidate's output may stand in for eager's, and by how far it differs."""
+
+    ok: bool
+    max_abs_error: float
+    reason: str | None = None
+
+
+def compare_outputs(
+    reference: Any,
+    candidate: Any,
+    tolerance: Callable[[torch.dtype], tuple[float, float]],
+) -> CheckResult:
+    """Compare one candidate output with the eager reference output of the same call."""
+    ref_leaves, ref_spec = pytree.tree_flatten(reference)
+    cand_leaves, cand_spec = pytree.tree_flatten(candidate)
+    if ref_spec != cand_spec:
+        return CheckResult(
+            False, float("nan"), f"output structure differs: expected {_describe(ref_spec)}, got {_describe(cand_spec)}"
+        )
+    worst = 0.0
+    for index, (ref, cand) in enumerate(zip(ref_leaves, cand_leaves, strict=True)):
+        if not isinstance(ref, torch.Tensor):
+            if isinstance(cand, torch.Tensor) or not _plain_equal(ref, cand):
+                return CheckResult(False, float("nan"), f"output leaf {index} differs: {ref!r} vs {cand!r}")
+            continue
+        if not isinstance(cand, torch.Tensor):
+            return CheckResult(False, float("nan"), f"output leaf {index} is {type(cand).__name__}, not a tensor")
+        if cand.shape != ref.shape or cand.dtype != ref.dtype:
+            return CheckResult(
+                False,
+                float("nan"),
+                f"output leaf {index} is {cand.dtype}{list(cand.shape)}, expected {ref.dtype}{list(ref.shape)}",
+            )
+        cand = cand.to(ref.device)
+        if ref.is_floating_point() or ref.is_complex():
+            if not bool(torch.isfinite(cand).all()) and bool(torch.isfinite(ref).all()):
+                return CheckResult(False, float("nan"), f"output leaf {index} has non-finite values")
+            diff = (cand.double() - ref.double()).abs()
+            diff = torch.where(torch.isfinite(diff), diff, torch.zeros_like(diff))
+            error = float(diff.max()) if diff.numel() else 0.0
+            worst = max(worst, error)
+            atol, rtol = tolerance(ref.dtype)
+            if not torch.allclose(cand, ref, atol=atol, rtol=rtol, equal_nan=True):
+                return CheckResult(
+                    False,
+                    worst,
+                    f"output leaf {index} differs from eager by up to {error:.3g} "
+                    f"(atol={atol:g}, rtol={rtol:g} for {ref.dtype})",
+                )
+        elif not torch.equal(cand, ref):
+            return CheckResult(False, float("nan"), f"output leaf {index} ({ref.dtype}) differs from eager")
+    return CheckResult(True, worst)
+
+
+def _plain_equal(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # objects whose == is not a plain bool cannot be vouched for
+        return False
+
+
+def _describe(spec: pytree.TreeSpec) -> str:
+    text = str(spec).replace("\n", " ")
+    return " ".join(text.split())[:160]

@@ -1,0 +1,251 @@
+"""`register(modules, config) -> Registration`: the explicit-registration entry point of the core."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from aitune_hf.backends.base import Backend
+from aitune_hf.core.config import TuningConfig
+from aitune_hf.core.report import ModuleReport, TuningReport
+from aitune_hf.core.strategy import Decision, Strategy
+from aitune_hf.core.target import Target, TargetState
+
+logger = logging.getLogger(__name__)
+
+#: Every module that a live registration holds, and the target that holds it. Weak: nothing is kept alive.
+_HELD: weakref.WeakKeyDictionary[torch.nn.Module, Target] = weakref.WeakKeyDictionary()
+
+
+def register(
+    modules: Mapping[str, torch.nn.Module] | Iterable[torch.nn.Module] | torch.nn.Module,
+    config: TuningConfig | Mapping[str, Any] | None = None,
+) -> Registration:
+    """Register modules for tuning and install their forward routers (all or nothing).
+
+    Args:
+        modules: a mapping of name -> module (names appear in reports) or an iterable of modules. An
+            `nn.ModuleList` / `nn.Sequential` given as one item registers its elements.
+        config: a `TuningConfig`, a dict of its fields, or None for defaults.
+
+    Raises:
+        TypeError: an item is not an `nn.Module`.
+        ValueError: nothing to register, a module nested inside another, a module already held by another
+            live registration, or an unknown backend / strategy name.
+        RuntimeError: the strategy needs a backend that is unavailable here.
+    """
+    return Registration(_collect(modules), TuningConfig.coerce(config))
+
+
+def _collect(modules: Any) -> dict[str, torch.nn.Module]:
+    """Name -> module, containers expanded, duplicates dropped (first name kept), input order kept."""
+    if isinstance(modules, torch.nn.ModuleList | torch.nn.Sequential):
+        items: list[tuple[str, Any]] = [(name, child) for name, child in modules.named_children()]
+    elif isinstance(modules, torch.nn.Module):
+        items = [(type(modules).__name__, modules)]
+    elif isinstance(modules, Mapping):
+        items = list(modules.items())
+    elif isinstance(modules, Iterable) and not isinstance(modules, str | bytes):
+        items = [(str(index), module) for index, module in enumerate(modules)]
+    else:
+        raise TypeError(
+            f"register() takes a mapping of name -> nn.Module or an iterable of nn.Module, got {type(modules).__name__}"
+        )
+    collected: dict[str, torch.nn.Module] = {}
+    seen: set[int] = set()
+    for name, module in items:
+        if isinstance(module, torch.nn.ModuleList | torch.nn.Sequential):
+            children = [(f"{name}.{child_name}", child) for child_name, child in module.named_children()]
+        else:
+            children = [(str(name), module)]
+        for child_name, child in children:
+            if not isinstance(child, torch.nn.Module):
+                raise TypeError(
+                    f"cannot register {child_name!r}: expected an nn.Module, got "
+                    f"{type(child).__name__}. Pass modules (or a mapping of name -> module)."
+                )
+            if id(child) in seen:
+                continue
+            if child_name in collected:
+                raise ValueError(f"two different modules are named {child_name!r}; give each a unique name")
+            seen.add(id(child))
+            collected[child_name] = child
+    if not collected:
+        raise ValueError("nothing to register: pass at least one nn.Module")
+    return collected
+
+
+class Registration:
+    """A set of registered targets with one config: arm tuning, read states and reports, detach.
+
+    Usable as a context manager: leaving the `with` block detaches.
+    """
+
+    def __init__(self, modules: dict[str, torch.nn.Module], config: TuningConfig) -> None:
+        self.config = config
+        self.strategy: Strategy = config.resolve_strategy()
+        self.candidates: list[Backend] = self.strategy.candidates(config)
+        self._check_free(modules)
+        self._check_not_nested(modules)
+        devices = frozenset(t.device for m in modules.values() for t in [*m.parameters(), *m.buffers()])
+        self.strategy.validate(config, devices or frozenset({torch.device("cpu")}))
+        self._modules = dict(modules)
+        self._targets = {name: Target(name, module, self) for name, module in modules.items()}
+        self._shared_decisions: dict[Any, tuple[str, Decision]] = {}
+        self._progress: Any = None
+        self._detached = False
+        self._install_all()
+
+    # -- checks and installation --------------------------------------------------------------------
+    @staticmethod
+    def _check_free(modules: dict[str, torch.nn.Module]) -> None:
+        for name, module in modules.items():
+            holder = _HELD.get(module)
+            if holder is not None:
+                raise ValueError(
+                    f"module {name!r} ({type(module).__name__}) is already registered as "
+                    f"{holder.name!r} by another live registration; call detach() on that "
+                    f"registration (or disable_aitune()) first"
+                )
+
+    @staticmethod
+    def _check_not_nested(modules: dict[str, torch.nn.Module]) -> None:
+        owners: dict[int, str] = {}
+        for name, module in modules.items():
+            for sub in module.modules():
+                if sub is not module:
+                    owners.setdefault(id(sub), name)
+        for name, module in modules.items():
+            if id(module) in owners:
+                raise ValueError(
+                    f"targets may not nest: {name!r} is inside {owners[id(module)]!r}; register one of the two"
+                )
+        inside_held = {
+            id(sub): target.name for held, target in list(_HELD.items()) for sub in held.modules() if sub is not held
+        }
+        for name, module in modules.items():
+            if id(module) in inside_held:
+                raise ValueError(
+                    f"targets may not nest: {name!r} is inside {inside_held[id(module)]!r}, "
+                    f"which another live registration holds; detach that registration first"
+                )
+            inner = next((t.name for sub in module.modules() if (t := _HELD.get(sub)) is not None), None)
+            if inner is not None:
+                raise ValueError(
+                    f"targets may not nest: {name!r} contains {inner!r}, which another live "
+                    f"registration holds; detach that registration first"
+                )
+
+    def _install_all(self) -> None:
+        installed: list[Target] = []
+        try:
+            for target in self._targets.values():
+                target.install()
+                installed.append(target)
+                _HELD[target.module] = target
+        except BaseException:
+            for target in reversed(installed):
+                target.uninstall()
+                _HELD.pop(target.module, None)
+            raise
+        logger.info("registered %d target(s): %s", len(self._targets), ", ".join(self._targets))
+
+    # -- public API ---------------------------------------------------------------------------------
+    @property
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """Name -> registered module."""
+        return dict(self._modules)
+
+    @property
+    def targets(self) -> dict[str, Target]:
+        """Name -> Target (state, samples, routes)."""
+        return dict(self._targets)
+
+    @property
+    def reports(self) -> dict[str, ModuleReport]:
+        """Name -> a fresh ModuleReport."""
+        return {name: target.report() for name, target in self._targets.items()}
+
+    @property
+    def state_counts(self) -> dict[str, int]:
+        """State name -> number of targets in it."""
+        counts: dict[str, int] = {}
+        for target in self._targets.values():
+            counts[str(target.state)] = counts.get(str(target.state), 0) + 1
+        return counts
+
+    @property
+    def all_tuned(self) -> bool:
+        """True when every target has reached a decision (TUNED or EAGER)."""
+        return all(target.decided for target in self._targets.values())
+
+    @property
+    def detached(self) -> bool:
+        return self._detached
+
+    def tune(self) -> Registration:
+        """Arm tuning: each target tunes at its next forward call, inside the caller's own flow."""
+        if self._detached:
+            raise RuntimeError(
+                "tune() after detach(): this registration no longer holds its modules; register them again"
+            )
+        for target in self._targets.values():
+            target.arm()
+        return self
+
+    def report(self) -> TuningReport:
+        """A TuningReport of every target."""
+        reports = self.reports
+        return TuningReport(modules=reports, tuning_seconds=sum(r.tuning_seconds for r in reports.values()))
+
+    def detach(self) -> None:
+        """Restore every forward exactly and release the modules. Safe to call twice."""
+        if self._detached:
+            return
+        for target in self._targets.values():
+            target.uninstall()
+            if _HELD.get(target.module) is target:
+                del _HELD[target.module]
+        self._close_progress()
+        self._shared_decisions.clear()
+        self._detached = True
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(self.state_counts.items()))
+        return f"<Registration of {len(self._targets)} target(s): {counts}>"
+
+    # -- progress (called by targets) ---------------------------------------------------------------
+    def _tuning_started(self, target: Target) -> None:
+        if self._progress is None:
+            pending = sum(1 for t in self._targets.values() if t.armed or t.state is TargetState.TUNING)
+            self._progress = tqdm(
+                total=max(pending, 1),
+                desc="aitune_hf tuning",
+                unit="target",
+                disable=not self.config.progress,
+                leave=False,
+            )
+        self._progress.set_postfix_str(target.name, refresh=True)
+
+    def _tuning_finished(self, target: Target) -> None:
+        if self._progress is None:
+            return
+        self._progress.update(1)
+        if not any(t.armed or t.state is TargetState.TUNING for t in self._targets.values()):
+            self._close_progress()
+
+    def _close_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None

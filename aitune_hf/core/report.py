@@ -1,0 +1,223 @@
+"""What tuning did, per target and in total: plain-text table, JSON, and HTML for notebooks."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class CandidateResult:
+    """One backend tried on one signature."""
+
+    backend: str
+    build_seconds: float | None = None
+    latency_s: float | None = None
+    max_abs_error: float | None = None
+    error: str | None = None
+    speedup: float | None = None  # eager latency / this latency
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class SignatureReport:
+    """The decision for one input signature of a target."""
+
+    signature: str
+    samples: int
+    chosen: str = "eager"
+    eager_latency_s: float | None = None
+    candidates: list[CandidateResult] = field(default_factory=list)
+    reason: str | None = None  # why eager was kept, when it was
+    shared_from: str | None = None  # the identical sibling whose decision was reused
+
+    @property
+    def chosen_latency_s(self) -> float | None:
+        if self.chosen == "eager":
+            return self.eager_latency_s
+        return next((c.latency_s for c in self.candidates if c.backend == self.chosen), None)
+
+    @property
+    def speedup(self) -> float | None:
+        return _ratio(self.eager_latency_s, self.chosen_latency_s)
+
+
+@dataclass
+class ModuleReport:
+    """Everything known about one registered target."""
+
+    name: str
+    module_class: str
+    state: str
+    reason: str | None = None
+    signatures: list[SignatureReport] = field(default_factory=list)
+    tuning_seconds: float = 0.0
+    calls: dict[str, int] = field(default_factory=dict)  # backend name -> calls it served
+
+    @property
+    def backend(self) -> str:
+        """The chosen backend (several joined by '+' when signatures differ)."""
+        chosen = sorted({s.chosen for s in self.signatures}) or ["eager"]
+        return "+".join(chosen)
+
+    @property
+    def eager_latency_s(self) -> float | None:
+        return _sum_or_none(s.eager_latency_s for s in self.signatures)
+
+    @property
+    def tuned_latency_s(self) -> float | None:
+        return _sum_or_none(s.chosen_latency_s for s in self.signatures)
+
+    @property
+    def speedup(self) -> float | None:
+        return _ratio(self.eager_latency_s, self.tuned_latency_s)
+
+    @property
+    def max_abs_error(self) -> float | None:
+        errors = [
+            c.max_abs_error
+            for s in self.signatures
+            for c in s.candidates
+            if c.backend == s.chosen and c.max_abs_error is not None
+        ]
+        return max(errors) if errors else (0.0 if self.signatures else None)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(
+            backend=self.backend,
+            eager_latency_s=self.eager_latency_s,
+            tuned_latency_s=self.tuned_latency_s,
+            speedup=self.speedup,
+            max_abs_error=self.max_abs_error,
+        )
+        for sig, sig_data in zip(self.signatures, data["signatures"], strict=True):
+            sig_data.update(chosen_latency_s=sig.chosen_latency_s, speedup=sig.speedup)
+        return data
+
+
+@dataclass
+class TuningReport:
+    """The report of one registration: per-target rows plus, when measured, end-to-end timings."""
+
+    modules: dict[str, ModuleReport]
+    end_to_end: dict[str, float] | None = None  # eager_s, tuned_s, speedup (measured by the caller)
+    tuning_seconds: float = 0.0
+
+    COLUMNS = ("target", "class", "state", "backend", "eager ms", "tuned ms", "speed-up", "max err", "note")
+
+    def rows(self) -> list[list[str]]:
+        """Table rows, one per target, as strings."""
+        rows = []
+        for report in self.modules.values():
+            note = report.reason or ""
+            if not note and report.signatures and report.signatures[0].shared_from:
+                note = f"decision shared with {report.signatures[0].shared_from}"
+            rows.append(
+                [
+                    report.name,
+                    report.module_class,
+                    report.state,
+                    report.backend,
+                    _ms(report.eager_latency_s),
+                    _ms(report.tuned_latency_s),
+                    _x(report.speedup),
+                    _err(report.max_abs_error),
+                    note,
+                ]
+            )
+        return rows
+
+    def summary_lines(self) -> list[str]:
+        counts: dict[str, int] = {}
+        for report in self.modules.values():
+            counts[report.state] = counts.get(report.state, 0) + 1
+        lines = [
+            f"targets: {len(self.modules)} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); "
+            f"tuning {self.tuning_seconds:.1f} s"
+        ]
+        if self.end_to_end:
+            e2e = self.end_to_end
+            lines.insert(
+                0,
+                f"end to end: eager {_ms(e2e.get('eager_s'))} ms -> tuned {_ms(e2e.get('tuned_s'))} ms "
+                f"= {_x(e2e.get('speedup'))} (measured)",
+            )
+        return lines
+
+    def __str__(self) -> str:
+        rows = [list(self.COLUMNS), *self.rows()]
+        widths = [min(max(len(r[i]) for r in rows), 60) for i in range(len(self.COLUMNS))]
+        lines = list(self.summary_lines())
+        for index, row in enumerate(rows):
+            lines.append("  ".join(cell[:60].ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+            if index == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.COLUMNS)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self.rows()
+        )
+        summary = "".join(f"<p><b>{html.escape(line)}</b></p>" for line in self.summary_lines())
+        return f"<div>{summary}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "end_to_end": self.end_to_end,
+            "tuning_seconds": self.tuning_seconds,
+            "modules": {name: report.to_dict() for name, report in self.modules.items()},
+        }
+
+    def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
+        """The report as JSON (non-finite numbers become null); written to `path` when given."""
+        text = json.dumps(_finite(self.to_dict()), indent=indent)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def _sum_or_none(values: Any) -> float | None:
+    values = list(values)
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _err(error: float | None) -> str:
+    return "-" if error is None or math.isnan(error) else f"{error:.1e}"

@@ -1,0 +1,267 @@
+"""Strategies: build candidates for one signature, check them against eager, time them, choose one."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aitune_hf.backends.base import Backend, BuiltBackend, get_backend
+from aitune_hf.core.checks import compare_outputs
+from aitune_hf.core.report import CandidateResult, SignatureReport
+from aitune_hf.core.signature import InputSignature, Sample
+from aitune_hf.core.timing import Stopwatch, time_interleaved
+
+if TYPE_CHECKING:
+    from aitune_hf.core.config import TuningConfig
+
+logger = logging.getLogger(__name__)
+
+
+class TuningError(RuntimeError):
+    """Raised by `OneBackend` when its backend cannot serve a target (the target stays eager)."""
+
+
+@dataclass
+class Decision:
+    """A strategy's choice for one signature: the backend, its built callable (None for eager), the report."""
+
+    backend: Backend | None
+    built: BuiltBackend | None
+    report: SignatureReport
+
+
+class TuningJob:
+    """Everything a strategy needs to tune one signature of one target."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        forward: Callable[..., Any],
+        signature: InputSignature,
+        samples: Sequence[Sample],
+        config: TuningConfig,
+    ) -> None:
+        self.module = module
+        self.forward = forward
+        self.signature = signature
+        self.calls = [s.as_call() for s in samples]
+        self.config = config
+        self.devices = sorted(signature.devices, key=str)
+        self.report = SignatureReport(signature=signature.short(), samples=len(self.calls))
+        with self.mode():
+            self.references = [forward(*args, **kwargs) for args, kwargs in self.calls]
+
+    @contextlib.contextmanager
+    def mode(self) -> Iterator[None]:
+        """The grad / inference mode the signature's calls were made in."""
+        if self.signature.inference_mode:
+            with torch.inference_mode():
+                yield
+        else:
+            with torch.inference_mode(False), torch.set_grad_enabled(self.signature.grad_enabled):
+                yield
+
+    def unavailable_reason(self, backend: Backend) -> str | None:
+        reason = backend.unavailable_reason(self.signature.devices)
+        if reason is None and self.signature.grad_enabled and not backend.supports_autograd:
+            reason = "calls run with autograd enabled and this backend cannot backpropagate"
+        if reason is None and self.signature.has_opaque_leaves and backend.bakes_weights:
+            reason = "inputs hold non-tensor objects that this backend would bake in as constants"
+        return reason
+
+    def try_backend(self, backend: Backend) -> tuple[CandidateResult, BuiltBackend | None]:
+        """Build `backend` and check it on every sample; never raises for a failing backend."""
+        result = CandidateResult(backend=backend.describe())
+        self.report.candidates.append(result)
+        reason = self.unavailable_reason(backend)
+        if reason is not None:
+            result.error = f"unavailable: {reason}"
+            return result, None
+        try:
+            with Stopwatch() as watch, self.mode():
+                built = backend.build(self.module, self.forward, self.calls)
+            result.build_seconds = watch.seconds
+            worst = 0.0
+            with self.mode():
+                for (args, kwargs), reference in zip(self.calls, self.references, strict=True):
+                    check = compare_outputs(reference, built.fn(*args, **kwargs), self.config.tolerance)
+                    worst = max(worst, check.max_abs_error)
+                    if not check.ok:
+                        result.max_abs_error = check.max_abs_error
+                        result.error = f"wrong output: {check.reason}"
+                        return result, None
+            result.max_abs_error = worst
+            return result, built
+        except Exception as error:  # a failing backend is a finding, not a crash
+            logger.debug("%s failed on %s", backend.describe(), self.signature, exc_info=True)
+            result.error = f"{type(error).__name__}: {_first_line(error)}"
+            return result, None
+
+    def time(self, candidates: Sequence[tuple[CandidateResult, BuiltBackend]]) -> list[CandidateResult]:
+        """Time eager and the candidates side by side; fills latencies and speed-ups.
+
+        Returns the candidates that survived; one that raised while being timed gets its error recorded.
+        """
+        fns = {"eager": self.forward} | {result.backend: built.fn for result, built in candidates}
+        with self.mode():
+            latencies, failures = time_interleaved(
+                fns, self.calls, self.devices, self.config.warmup, self.config.repeats, baseline="eager"
+            )
+        self.report.eager_latency_s = latencies["eager"]
+        survivors = []
+        for result, _ in candidates:
+            if result.backend in failures:
+                error = failures[result.backend]
+                result.error = f"failed while timed: {type(error).__name__}: {_first_line(error)}"
+                continue
+            result.latency_s = latencies[result.backend]
+            result.speedup = latencies["eager"] / result.latency_s if result.latency_s else None
+            survivors.append(result)
+        return survivors
+
+    def keep_eager(self, reason: str) -> Decision:
+        self.report.chosen, self.report.reason = "eager", reason
+        return Decision(None, None, self.report)
+
+    def choose(self, backend: Backend, result: CandidateResult, built: BuiltBackend) -> Decision:
+        self.report.chosen, self.report.reason = result.backend, None
+        return Decision(backend, built, self.report)
+
+    def failures(self) -> str:
+        return "; ".join(f"{c.backend}: {c.error}" for c in self.report.candidates if c.error)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+class Strategy(abc.ABC):
+    """Decides which backend serves one signature of one target."""
+
+    name: str = ""
+
+    def candidates(self, config: TuningConfig) -> list[Backend]:
+        """The candidate backends this strategy will try, eager excluded."""
+        return config.resolve_backends()
+
+    def validate(self, config: TuningConfig, devices: frozenset[torch.device]) -> None:
+        """Raise before anything is patched if this strategy cannot work with `config` on `devices`."""
+        self.candidates(config)
+
+    @abc.abstractmethod
+    def decide(self, job: TuningJob, backends: Sequence[Backend]) -> Decision:
+        """Build, check and time candidates for `job`, and choose."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class MinLatency(Strategy):
+    """Try every candidate; keep the fastest correct one if it beats eager by `min_speedup`, else eager."""
+
+    name = "min_latency"
+
+    def decide(self, job: TuningJob, backends: Sequence[Backend]) -> Decision:
+        correct = []
+        for backend in backends:
+            result, built = job.try_backend(backend)
+            if built is not None:
+                correct.append((backend, result, built))
+        if not correct:
+            return job.keep_eager(_nothing_worked(job, backends))
+        timed = job.time([(result, built) for _, result, built in correct])
+        correct = [c for c in correct if c[1] in timed]
+        if not correct:
+            return job.keep_eager(_nothing_worked(job, backends))
+        backend, result, built = min(correct, key=lambda c: c[1].latency_s or float("inf"))
+        if (result.speedup or 0.0) < job.config.min_speedup:
+            return job.keep_eager(
+                f"nothing was faster: best {result.backend} at {result.speedup:.2f}x "
+                f"(needs {job.config.min_speedup:.2f}x)"
+            )
+        return job.choose(backend, result, built)
+
+
+class FirstWins(Strategy):
+    """Try candidates in order; the first that is correct and beats eager by `min_speedup` wins."""
+
+    name = "first_wins"
+
+    def decide(self, job: TuningJob, backends: Sequence[Backend]) -> Decision:
+        slowest: list[str] = []
+        for backend in backends:
+            result, built = job.try_backend(backend)
+            if built is None:
+                continue
+            if not job.time([(result, built)]):
+                continue
+            if (result.speedup or 0.0) >= job.config.min_speedup:
+                return job.choose(backend, result, built)
+            slowest.append(f"{result.backend} at {result.speedup:.2f}x")
+        if slowest:
+            return job.keep_eager(f"nothing was faster: {', '.join(slowest)} (needs {job.config.min_speedup:.2f}x)")
+        return job.keep_eager(_nothing_worked(job, backends))
+
+
+class OneBackend(Strategy):
+    """Use exactly one backend whenever it is correct, whatever its speed; its failure is raised."""
+
+    name = "one_backend"
+
+    def __init__(self, backend: str | Backend) -> None:
+        self.backend = get_backend(backend)
+        if self.backend.name == "eager":
+            raise ValueError("OneBackend('eager') would tune nothing; register nothing instead")
+
+    def candidates(self, config: TuningConfig) -> list[Backend]:
+        return [self.backend]
+
+    def validate(self, config: TuningConfig, devices: frozenset[torch.device]) -> None:
+        reason = self.backend.unavailable_reason(devices)
+        if reason is not None:
+            raise RuntimeError(
+                f"strategy OneBackend({self.backend.describe()!r}) needs a backend that is unavailable here: {reason}"
+            )
+
+    def decide(self, job: TuningJob, backends: Sequence[Backend]) -> Decision:
+        result, built = job.try_backend(self.backend)
+        if built is None:
+            job.keep_eager(f"{result.backend} failed: {result.error}")
+            raise TuningError(f"OneBackend({result.backend!r}) cannot serve this target: {result.error}")
+        if not job.time([(result, built)]):
+            job.keep_eager(f"{result.backend} failed: {result.error}")
+            raise TuningError(f"OneBackend({result.backend!r}) cannot serve this target: {result.error}")
+        return job.choose(self.backend, result, built)
+
+    def __repr__(self) -> str:
+        return f"OneBackend({self.backend.describe()!r})"
+
+
+def _nothing_worked(job: TuningJob, backends: Sequence[Backend]) -> str:
+    if not backends:
+        return "no candidate backend configured"
+    if all(c.error and c.error.startswith("unavailable") for c in job.report.candidates):
+        return f"no candidate backend is available: {job.failures()}"
+    return f"every candidate failed: {job.failures()}"
+
+
+STRATEGIES: dict[str, type[Strategy]] = {"min_latency": MinLatency, "first_wins": FirstWins}
+
+
+def resolve_strategy(spec: str | Strategy) -> Strategy:
+    """A strategy instance from a name or an instance."""
+    if isinstance(spec, Strategy):
+        return spec
+    if isinstance(spec, str) and spec in STRATEGIES:
+        return STRATEGIES[spec]()
+    raise ValueError(
+        f"unknown strategy {spec!r}; valid: {', '.join(STRATEGIES)}, or a Strategy instance "
+        f"such as OneBackend('onnxruntime')"
+    )
