@@ -1,0 +1,338 @@
+"""Recording, tuning, choosing, falling back, re-tuning: the target state machine with real backends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from aitune_hf import FirstWins, OneBackend, TargetState, TuningConfig, register
+from aitune_hf.backends import OnnxRuntimeBackend
+from aitune_hf.core import TuningError, signature_of
+from tests.core.modules import (
+    FailsWhenServingBackend,
+    InfBackend,
+    InterruptingBackend,
+    ManyOpsBlock,
+    MLPBlock,
+    NaNBackend,
+    PytreeBlock,
+    RaisingBackend,
+    WrongStructureBackend,
+    WrongValuesBackend,
+    pytree_call,
+)
+
+QUICK = {"progress": False, "warmup": 1, "repeats": 3}
+
+
+def _config(**overrides: object) -> TuningConfig:
+    return TuningConfig(**{**QUICK, **overrides})
+
+
+def _tune_once(module: torch.nn.Module, config: TuningConfig, *args: object, **kwargs: object):
+    """Register, record one call, arm, and make the tuning call; returns (registration, output, eager)."""
+    with torch.no_grad():
+        expected = module(*args, **kwargs)
+        reg = register({"block": module}, config)
+        module(*args, **kwargs)
+        reg.tune()
+        output = module(*args, **kwargs)
+    return reg, output, expected
+
+
+def test_recording_groups_calls_by_signature_and_runs_eager() -> None:
+    block = PytreeBlock().eval()
+    args, kwargs = pytree_call()
+    expected = block(*args, **kwargs)
+    with register({"block": block}, _config(backends=[])) as reg:
+        target = reg.targets["block"]
+        out = block(*args, **kwargs)
+        block(*pytree_call(seed=1)[0], **pytree_call(seed=1)[1])  # same signature, other values
+        block(*args, **{**kwargs, "gain": 3.0})  # a scalar's value is part of the signature
+        block(args[0][:1], (args[1][0][:1], args[1][1][:1]))  # other shapes, keyword-less
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        assert target.state is TargetState.RECORDING
+        assert target.calls_recorded == 4
+        assert sorted(len(s) for s in target.samples.values()) == [1, 1, 2]
+        sample = next(iter(target.samples.values()))[0]
+        assert sample.kwargs["extras"]["shift"] is not kwargs["extras"]["shift"]  # captured copies
+        assert signature_of(args, kwargs) != signature_of(args, {**kwargs, "gain": 3.0})
+
+
+def test_keyword_only_calls_are_captured() -> None:
+    block = MLPBlock().eval()
+    x = torch.randn(2, 32)
+    with register([block], _config(backends=[])) as reg:
+        block(x=x, scale=0.5)
+        sample = next(iter(reg.targets["0"].samples.values()))[0]
+        assert sample.args == () and set(sample.kwargs) == {"x", "scale"}
+
+
+def test_onnxruntime_faster_than_eager_is_chosen() -> None:
+    block = ManyOpsBlock().eval()
+    x = torch.randn(1, 16)
+    reg, out, expected = _tune_once(block, _config(backends=["onnxruntime"], repeats=7), x)
+    report = reg.reports["block"]
+    assert reg.targets["block"].state is TargetState.TUNED and reg.all_tuned
+    assert report.backend == "onnxruntime" and report.speedup > 1.05
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert reg.targets["block"].calls_served["onnxruntime"] == 1
+    with torch.no_grad():
+        block(x)
+    assert reg.targets["block"].calls_served["onnxruntime"] == 2
+    reg.detach()
+
+
+def test_onnxruntime_round_trips_pytrees_kwargs_and_none() -> None:
+    block = PytreeBlock().eval()
+    args, kwargs = pytree_call()
+    reg, out, expected = _tune_once(block, _config(strategy=OneBackend("onnxruntime")), *args, **kwargs)
+    assert reg.targets["block"].state is TargetState.TUNED
+    assert isinstance(out, tuple) and out[1] is None and set(out[0]) == {"hidden", "double"}
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    reg.detach()
+
+
+@pytest.mark.parametrize(
+    ("backend", "reason"),
+    [
+        (RaisingBackend(), "raising: RuntimeError: this backend always fails to build"),
+        (NaNBackend(), "non-finite"),
+        (InfBackend(), "non-finite"),
+        (WrongValuesBackend(), "differs from eager by up to 0.5"),
+        (WrongStructureBackend(), "output structure differs"),
+    ],
+)
+def test_a_failing_or_wrong_backend_never_serves(backend: object, reason: str) -> None:
+    block = MLPBlock().eval()
+    x = torch.randn(2, 32)
+    reg, out, expected = _tune_once(block, _config(backends=[backend], min_speedup=0), x)
+    target = reg.targets["block"]
+    assert target.state is TargetState.EAGER
+    assert "every candidate failed" in target.reason and reason in target.reason
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert set(target.calls_served) == {"eager"}
+    reg.detach()
+
+
+def test_one_backend_surfaces_its_error_and_leaves_the_target_working() -> None:
+    block = MLPBlock().eval()
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        expected = block(x)
+    reg = register({"block": block}, _config(strategy=OneBackend(RaisingBackend())))
+    reg.tune()
+    with pytest.raises(TuningError, match=r"OneBackend.*always fails to build"), torch.no_grad():
+        block(x)
+    assert reg.targets["block"].state is TargetState.EAGER
+    assert "raising failed" in reg.targets["block"].reason
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), expected, rtol=0, atol=0)
+    reg.detach()
+
+
+def test_first_wins_takes_the_first_correct_candidate() -> None:
+    block = ManyOpsBlock().eval()
+    config = _config(
+        backends=[RaisingBackend(), "onnxruntime", WrongValuesBackend()], strategy=FirstWins(), min_speedup=0
+    )
+    reg, out, expected = _tune_once(block, config, torch.randn(1, 16))
+    report = reg.reports["block"].signatures[0]
+    assert report.chosen == "onnxruntime"
+    assert [c.backend for c in report.candidates] == ["raising", "onnxruntime"]  # stopped at the winner
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    reg.detach()
+
+
+def test_nothing_faster_keeps_eager_with_the_reason() -> None:
+    block = MLPBlock().eval()
+    reg, out, expected = _tune_once(block, _config(backends=["onnxruntime"], min_speedup=1000), torch.randn(2, 32))
+    target = reg.targets["block"]
+    assert target.state is TargetState.EAGER
+    assert "nothing was faster: best onnxruntime" in target.reason and "needs 1000.00x" in target.reason
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    reg.detach()
+
+
+def test_unavailable_candidates_are_reported() -> None:
+    from tests.core.modules import CudaOnlyBackend
+
+    block = MLPBlock().eval()
+    reg, _, _ = _tune_once(block, _config(backends=[CudaOnlyBackend()]), torch.randn(2, 32))
+    assert (
+        "no candidate backend is available: cuda_only: unavailable: needs a CUDA device" in reg.targets["block"].reason
+    )
+    reg.detach()
+
+
+def test_after_calls_trigger_tunes_without_tune() -> None:
+    block = ManyOpsBlock().eval()
+    x = torch.randn(1, 16)
+    with (
+        register({"block": block}, _config(backends=["onnxruntime"], trigger="after_calls=2", min_speedup=0)) as reg,
+        torch.no_grad(),
+    ):
+        target = reg.targets["block"]
+        block(x)
+        assert target.state is TargetState.RECORDING and not target.armed
+        block(x)
+        assert target.armed
+        block(x)
+        assert target.state is TargetState.TUNED
+
+
+def test_a_new_signature_after_tuning_runs_eager_and_is_covered_by_the_next_tune() -> None:
+    block = ManyOpsBlock().eval()
+    small, large = torch.randn(1, 16), torch.randn(3, 16)
+    reg, _, _ = _tune_once(block, _config(backends=["onnxruntime"], min_speedup=0), small)
+    target = reg.targets["block"]
+    with torch.no_grad():
+        expected = ManyOpsBlock.forward(block, large)
+        torch.testing.assert_close(block(large), expected, rtol=0, atol=0)  # the small engine never sees it
+        assert target.calls_served == {"onnxruntime": 1, "eager": 2}
+        assert len(target.samples) == 1
+        reg.tune()
+        torch.testing.assert_close(block(large), expected, atol=1e-5, rtol=1e-5)
+    assert len(reg.reports["block"].signatures) == 2
+    assert target.calls_served["onnxruntime"] == 2
+    reg.detach()
+
+
+def test_changed_weights_send_a_baking_backend_back_to_eager_until_retuned() -> None:
+    block = ManyOpsBlock().eval()
+    x = torch.randn(1, 16)
+    reg, _, _ = _tune_once(block, _config(backends=["onnxruntime"], min_speedup=0), x)
+    target = reg.targets["block"]
+    new_state = {k: v * 0.5 for k, v in block.state_dict().items()}
+    block.load_state_dict(new_state)
+    with torch.no_grad():
+        expected = ManyOpsBlock.forward(block, x)
+        torch.testing.assert_close(block(x), expected, rtol=0, atol=0)
+        assert target.state is TargetState.EAGER and "weights changed" in target.reason
+        with torch.no_grad():
+            block.weight[0, 0] += 1.0  # an in-place edit is seen too, once re-tuned
+        reg.tune()
+        block(x)
+        assert target.state is TargetState.TUNED
+        block.weight.add_(0.01)
+        expected = ManyOpsBlock.forward(block, x)
+        torch.testing.assert_close(block(x), expected, rtol=0, atol=0)
+        assert "weights changed" in target.reason
+    reg.detach()
+
+
+def test_a_backend_failing_while_serving_falls_back_to_eager() -> None:
+    block = MLPBlock().eval()
+    x = torch.randn(2, 32)
+    # two samples (the recorded call and the tuning call), each checked once, warmed up, timed; then served once
+    backend = FailsWhenServingBackend(ok_calls=2 * (1 + QUICK["warmup"] + QUICK["repeats"]) + 1)
+    reg, _, expected = _tune_once(block, _config(backends=[backend], min_speedup=0), x)
+    target = reg.targets["block"]
+    assert target.state is TargetState.TUNED
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), expected, rtol=0, atol=0)
+    assert target.state is TargetState.EAGER and "raised while serving: RuntimeError: engine lost" in target.reason
+    reg.detach()
+
+
+def test_a_backend_failing_while_timed_is_dropped() -> None:
+    block = MLPBlock().eval()
+    reg, out, expected = _tune_once(
+        block, _config(backends=[FailsWhenServingBackend(ok_calls=3)], min_speedup=0), torch.randn(2, 32)
+    )
+    target = reg.targets["block"]
+    assert target.state is TargetState.EAGER
+    assert "failed while timed: RuntimeError: engine lost" in target.reason
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    reg.detach()
+
+
+def test_an_interrupted_tuning_leaves_a_working_target() -> None:
+    block = MLPBlock().eval()
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        expected = block(x)
+    reg = register({"block": block}, _config(backends=[InterruptingBackend()]))
+    reg.tune()
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        block(x)
+    target = reg.targets["block"]
+    assert target.state is TargetState.RECORDING and "interrupted" in target.reason
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), expected, rtol=0, atol=0)
+    assert not reg._progress  # the progress bar was closed
+    reg.detach()
+
+
+def test_calls_with_autograd_only_consider_autograd_capable_backends() -> None:
+    block = ManyOpsBlock().eval()
+    x = torch.randn(1, 16)
+    with register({"block": block}, _config(backends=["onnxruntime"])) as reg:
+        block(x)
+        reg.tune()
+        out = block(x)
+        assert out.requires_grad  # still differentiable: eager served it
+        assert "cannot backpropagate" in reg.targets["block"].reason
+
+
+def test_sample_memory_is_capped() -> None:
+    block = MLPBlock().eval()
+    with (
+        register(
+            {"block": block}, _config(backends=[], max_sample_bytes=2 * 32 * 4 * 2, max_samples_per_signature=10)
+        ) as reg,
+        torch.no_grad(),
+    ):
+        for batch in (2, 2, 2, 3):
+            block(torch.randn(batch, 32))
+        target = reg.targets["block"]
+        assert target.calls_recorded == 4
+        assert target.sample_bytes <= 2 * 32 * 4 * 2 + 3 * 32 * 4  # the first call of a signature is kept
+        assert sorted(len(v) for v in target.samples.values()) == [1, 2]
+
+
+def test_identical_siblings_share_one_decision() -> None:
+    blocks = torch.nn.ModuleList([ManyOpsBlock() for _ in range(3)]).eval()
+    x = torch.randn(1, 16)
+    with register({"blocks": blocks}, _config(backends=["onnxruntime"], min_speedup=0)) as reg, torch.no_grad():
+        expected = [ManyOpsBlock.forward(b, x) for b in blocks]
+        for b in blocks:
+            b(x)
+        reg.tune()
+        outputs = [b(x) for b in blocks]
+        reports = reg.reports
+    assert [r.signatures[0].shared_from for r in reports.values()] == [None, "blocks.0", "blocks.0"]
+    assert all(r.backend == "onnxruntime" for r in reports.values())
+    for out, ref in zip(outputs, expected, strict=True):  # each sibling has its own weights baked in
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_report_table_json_and_html() -> None:
+    block = ManyOpsBlock().eval()
+    reg, _, _ = _tune_once(
+        block, _config(backends=["onnxruntime", RaisingBackend()], min_speedup=0), torch.randn(1, 16)
+    )
+    report = reg.report()
+    text = str(report)
+    assert "block" in text and "ManyOpsBlock" in text and "onnxruntime" in text and "speed-up" in text
+    data = json.loads(report.to_json())
+    module = data["modules"]["block"]
+    assert module["backend"] == "onnxruntime" and module["state"] == "tuned"
+    candidates = {c["backend"]: c for c in module["signatures"][0]["candidates"]}
+    assert candidates["raising"]["error"].startswith("RuntimeError")
+    assert candidates["onnxruntime"]["build_seconds"] > 0 and candidates["onnxruntime"]["latency_s"] > 0
+    assert module["signatures"][0]["signature"] == "float32[1x16]@cpu"
+    html = report._repr_html_()
+    assert "<table>" in html and "ManyOpsBlock" in html
+    reg.detach()
+
+
+def test_onnxruntime_artifacts_go_to_the_given_folder(tmp_path: object) -> None:
+    block = ManyOpsBlock(depth=4).eval()
+    backend = OnnxRuntimeBackend(artifact_dir=tmp_path, intra_op_num_threads=1)
+    reg, out, expected = _tune_once(block, _config(strategy=OneBackend(backend)), torch.randn(1, 16))
+    assert len(list(tmp_path.glob("*.onnx"))) == 1  # type: ignore[attr-defined]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    reg.detach()
