@@ -100,6 +100,8 @@ class OnnxRuntimeBackend(Backend):
         options.intra_op_num_threads = self.intra_op_num_threads or torch.get_num_threads()
         options.inter_op_num_threads = 1
         options.log_severity_level = 3
+        # Idle ORT threads must not spin: many sessions (one per block) share the cores with torch.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = self.providers or (
             ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.type == "cuda" else ["CPUExecutionProvider"]
         )

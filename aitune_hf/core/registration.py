@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -99,6 +100,9 @@ class Registration:
         self._shared_decisions: dict[Any, tuple[str, Decision]] = {}
         self._progress: Any = None
         self._detached = False
+        self._paused = 0
+        #: End-to-end timings measured by the caller (the Hugging Face layer times whole pipeline calls).
+        self.end_to_end: dict[str, Any] | None = None
         self._install_all()
 
     # -- checks and installation --------------------------------------------------------------------
@@ -198,10 +202,28 @@ class Registration:
             target.arm()
         return self
 
+    @property
+    def bypassed(self) -> bool:
+        """True inside `bypass()`: every target runs its original forward and records nothing."""
+        return self._paused > 0
+
+    @contextlib.contextmanager
+    def bypass(self) -> Iterator[None]:
+        """Run the original forwards (no recording, no tuned backends) inside the block, e.g. to time eager."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
     def report(self) -> TuningReport:
-        """A TuningReport of every target."""
+        """A TuningReport of every target, led by the end-to-end timings when the caller measured them."""
         reports = self.reports
-        return TuningReport(modules=reports, tuning_seconds=sum(r.tuning_seconds for r in reports.values()))
+        return TuningReport(
+            modules=reports,
+            end_to_end=dict(self.end_to_end) if self.end_to_end else None,
+            tuning_seconds=sum(r.tuning_seconds for r in reports.values()),
+        )
 
     def detach(self) -> None:
         """Restore every forward exactly and release the modules. Safe to call twice."""

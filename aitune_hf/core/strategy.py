@@ -46,12 +46,14 @@ class TuningJob:
         signature: InputSignature,
         samples: Sequence[Sample],
         config: TuningConfig,
+        restriction: Callable[[Backend], str | None] = lambda backend: None,
     ) -> None:
         self.module = module
         self.forward = forward
         self.signature = signature
         self.calls = [s.as_call() for s in samples]
         self.config = config
+        self.restriction = restriction
         self.devices = sorted(signature.devices, key=str)
         self.report = SignatureReport(signature=signature.short(), samples=len(self.calls))
         with self.mode():
@@ -68,7 +70,7 @@ class TuningJob:
                 yield
 
     def unavailable_reason(self, backend: Backend) -> str | None:
-        reason = backend.unavailable_reason(self.signature.devices)
+        reason = self.restriction(backend) or backend.unavailable_reason(self.signature.devices)
         if reason is None and self.signature.grad_enabled and not backend.supports_autograd:
             reason = "calls run with autograd enabled and this backend cannot backpropagate"
         if reason is None and self.signature.has_opaque_leaves and backend.bakes_weights:

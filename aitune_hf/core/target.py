@@ -85,6 +85,7 @@ class Target:
         self.calls_served: dict[str, int] = {}
         self._routes: dict[InputSignature, _Route] = {}
         self._pinned_reason: str | None = None
+        self._restrictions: list[tuple[Callable[[Backend], bool], str]] = []
         self._slot: ForwardSlot | None = None
         self._original: Callable[..., Any] | None = None
         self._router: _ForwardRouter | None = None
@@ -138,6 +139,20 @@ class Target:
         self.samples.clear()
         self.state, self.reason = TargetState.EAGER, reason
 
+    def restrict(self, allow: Callable[[Backend], bool], reason: str) -> None:
+        """Only backends for which `allow(backend)` holds may serve this target; the others are reported
+        unavailable with `reason` (e.g. weight-baking backends where an offload hook moves the weights)."""
+        self._restrictions.append((allow, reason))
+
+    def unavailable_reason(self, backend: Backend) -> str | None:
+        """Why this target rules `backend` out, or None."""
+        return next((reason for allow, reason in self._restrictions if not allow(backend)), None)
+
+    @property
+    def pinned_reason(self) -> str | None:
+        """Why this target is kept eager for good, or None."""
+        return self._pinned_reason
+
     @property
     def decided(self) -> bool:
         """True once the target reached TUNED or EAGER."""
@@ -147,7 +162,12 @@ class Target:
     def call(self, *args: Any, **kwargs: Any) -> Any:
         """Route one forward call."""
         state = self.state
-        if state is TargetState.DETACHED or self._pinned_reason is not None or state is TargetState.TUNING:
+        if (
+            state is TargetState.DETACHED
+            or state is TargetState.TUNING
+            or self._pinned_reason is not None
+            or self._registration.bypassed
+        ):
             return self.original_forward(*args, **kwargs)
         signature = signature_of(args, kwargs)
         route = self._routes.get(signature)
@@ -243,7 +263,9 @@ class Target:
     def _decide(self, signature: InputSignature) -> _Route:
         registration = self._registration
         config = registration.config
-        job = TuningJob(self.module, self.original_forward, signature, self.samples[signature], config)
+        job = TuningJob(
+            self.module, self.original_forward, signature, self.samples[signature], config, self.unavailable_reason
+        )
         sibling_key = _sibling_key(self.module, signature) if config.share_identical else None
         shared = registration._shared_decisions.get(sibling_key) if sibling_key else None
         decision: Decision | None = None

@@ -336,3 +336,43 @@ def test_onnxruntime_artifacts_go_to_the_given_folder(tmp_path: object) -> None:
     assert len(list(tmp_path.glob("*.onnx"))) == 1  # type: ignore[attr-defined]
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     reg.detach()
+
+
+def test_moved_weights_with_equal_values_keep_serving_but_reassigned_data_does_not() -> None:
+    block = ManyOpsBlock().eval()
+    x = torch.randn(1, 16)
+    reg, _, _ = _tune_once(block, _config(backends=["onnxruntime"], min_speedup=0), x)
+    target = reg.targets["block"]
+    with torch.no_grad():
+        block.weight.data = block.weight.data.clone()  # what an offload hook's copy does: same values
+        block(x)
+        assert target.state is TargetState.TUNED and target.calls_served["onnxruntime"] == 2
+        block.weight.data = block.weight.data * 1.5  # what fusing a LoRA into .data does
+        torch.testing.assert_close(block(x), ManyOpsBlock.forward(block, x), rtol=0, atol=0)
+    assert target.state is TargetState.EAGER and "ManyOpsBlock.weight was modified" in target.reason
+    reg.detach()
+
+
+def test_restricted_targets_report_the_restriction() -> None:
+    block = ManyOpsBlock().eval()
+    x = torch.randn(1, 16)
+    with register({"block": block}, _config(backends=["onnxruntime"])) as reg, torch.no_grad():
+        reg.targets["block"].restrict(lambda backend: not backend.bakes_weights, "an offload hook moves the weights")
+        block(x)
+        reg.tune()
+        block(x)
+        assert "onnxruntime: unavailable: an offload hook moves the weights" in reg.targets["block"].reason
+
+
+def test_bypass_runs_the_original_forward_and_records_nothing() -> None:
+    block = ManyOpsBlock().eval()
+    x = torch.randn(1, 16)
+    reg, _, _ = _tune_once(block, _config(backends=["onnxruntime"], min_speedup=0), x)
+    target = reg.targets["block"]
+    served = dict(target.calls_served)
+    with reg.bypass(), torch.no_grad():
+        assert reg.bypassed
+        torch.testing.assert_close(block(x), ManyOpsBlock.forward(block, x), rtol=0, atol=0)
+        block(torch.randn(4, 16))
+    assert target.calls_served == served and not target.samples and not reg.bypassed
+    reg.detach()
