@@ -13,12 +13,15 @@ from aitune_hf.core import (
     TuningReport,
     register,
 )
+from aitune_hf.hf import AITuneModel, AITunePipeline, enable_aitune
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AITuneModel",
+    "AITunePipeline",
     "FirstWins",
     "MinLatency",
     "OneBackend",
@@ -28,5 +31,6 @@ __all__ = [
     "TuningReport",
     "__version__",
     "backends",
+    "enable_aitune",
     "register",
 ]

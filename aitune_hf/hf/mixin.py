@@ -1,0 +1,188 @@
+"""`AITuneMixin`: enable_aitune / disable_aitune / aitune on pipelines and models, with call boundaries.
+
+The mixin knows where a whole pipeline (or model) call begins and ends, so it arms tuning after the first
+full call by default (the second call then tunes inside the pipeline's own flow, with offload hooks live),
+and it times whole calls before and after tuning: the report leads with that measured end-to-end speed-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aitune_hf.backends.base import Backend
+from aitune_hf.core.config import TuningConfig
+from aitune_hf.core.registration import Registration, register
+from aitune_hf.core.strategy import Strategy
+from aitune_hf.hf.hooks import install_slot_locators, weight_motion
+from aitune_hf.hf.targets import FoundTarget, TargetSelection, as_modules, find_targets
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _AITuneState:
+    """What the mixin keeps per object: the registration, how it was made, and whole-call timings."""
+
+    registration: Registration
+    options: dict[str, Any]
+    found: list[FoundTarget]
+    tune_after_calls: int | None
+    calls: int = 0
+    eager_seconds: list[float] = field(default_factory=list)
+    tuned_seconds: list[float] = field(default_factory=list)
+    measured: bool = False  # end_to_end came from measure_aitune (interleaved), not from plain calls
+
+
+class AITuneMixin:
+    """Adds aitune_hf to a Diffusers pipeline, a Transformers model or a Transformers pipeline."""
+
+    @property
+    def aitune(self) -> Registration | None:
+        """The live Registration (per-block state and reports), or None before `enable_aitune()`."""
+        state = self.__dict__.get("_aitune_state")
+        return state.registration if state is not None else None
+
+    def enable_aitune(
+        self,
+        targets: TargetSelection = "blocks",
+        *,
+        backends: Sequence[str | Backend] | None = None,
+        strategy: str | Strategy | None = None,
+        config: TuningConfig | Mapping[str, Any] | None = None,
+        tune_after_calls: int | None = 1,
+        **config_fields: Any,
+    ) -> Registration:
+        """Find the targets, register them with the tuning core, and return the Registration.
+
+        Call it after placement and offload are set up. Args: `targets` is "blocks", "components", a list of
+        dotted names or a callable; `backends`/`strategy`/other `TuningConfig` fields override `config`;
+        `tune_after_calls` arms tuning after that many whole calls (None: call `self.aitune.tune()` yourself).
+        """
+        if self.aitune is not None:
+            raise RuntimeError("aitune is already enabled here; call disable_aitune() first to change its settings")
+        if tune_after_calls is not None and tune_after_calls < 1:
+            raise ValueError(f"tune_after_calls must be >= 1 or None, got {tune_after_calls}")
+        options = dict(
+            targets=targets, backends=backends, strategy=strategy, config=config, tune_after_calls=tune_after_calls
+        )
+        options.update(config_fields)
+        base = TuningConfig.coerce(config)
+        overrides = {k: v for k, v in {"backends": backends, "strategy": strategy}.items() if v is not None}
+        overrides.update(config_fields)
+        tuning_config = TuningConfig.coerce({**_fields(base), **overrides}) if overrides else base
+        install_slot_locators()
+        found = find_targets(self, targets)
+        registration = register(as_modules(found), tuning_config)
+        _apply_weight_motion(registration, found)
+        self.__dict__["_aitune_state"] = _AITuneState(registration, options, found, tune_after_calls)
+        logger.info("aitune enabled on %s: %d target(s)", type(self).__name__, len(found))
+        return registration
+
+    def disable_aitune(self) -> None:
+        """Detach every target: each forward is restored exactly. Safe to call when not enabled."""
+        state = self.__dict__.pop("_aitune_state", None)
+        if state is not None:
+            state.registration.detach()
+
+    def measure_aitune(self, *args: Any, rounds: int = 3, **kwargs: Any) -> dict[str, Any]:
+        """Time whole calls eager and tuned, interleaved for `rounds`, and record the medians in the report.
+
+        Call it once tuning is done (`self.aitune.all_tuned`); each round makes one eager and one tuned call.
+        """
+        state = self._aitune_state_or_raise()
+        call = self._aitune_plain_call()
+        eager, tuned = [], []
+        for _ in range(rounds):
+            with state.registration.bypass():
+                start = time.perf_counter()
+                call(*args, **kwargs)
+                eager.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            call(*args, **kwargs)
+            tuned.append(time.perf_counter() - start)
+        state.measured = True
+        return _record_end_to_end(state, eager, tuned, f"interleaved whole calls, {rounds} rounds, medians")
+
+    # -- call boundaries (the dynamic subclass routes __call__ here) --------------------------------------
+    def _aitune_call(self, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        state: _AITuneState | None = self.__dict__.get("_aitune_state")
+        if state is None or state.registration.detached:
+            return call(*args, **kwargs)
+        registration = state.registration
+        if self._aitune_needs_eager(kwargs):
+            with registration.bypass():
+                return call(*args, **kwargs)
+        tuned_before = registration.all_tuned
+        untouched = not any(t.armed or t.decided for t in registration.targets.values())
+        start = time.perf_counter()
+        output = call(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        state.calls += 1
+        if not state.measured:
+            if untouched:
+                state.eager_seconds.append(seconds)
+            elif tuned_before and registration.all_tuned:
+                state.tuned_seconds.append(seconds)
+            if state.eager_seconds and state.tuned_seconds:
+                n_eager, n_tuned = len(state.eager_seconds), len(state.tuned_seconds)
+                method = f"whole calls: {n_eager} before tuning (recording), {n_tuned} after; medians"
+                _record_end_to_end(state, state.eager_seconds, state.tuned_seconds, method)
+        if state.tune_after_calls is not None and state.calls == state.tune_after_calls:
+            registration.tune()
+        return output
+
+    def _aitune_needs_eager(self, kwargs: dict[str, Any]) -> bool:
+        """Calls that capture outputs from inside blocks (attention weights) must run every block eager."""
+        if kwargs.get("output_attentions"):
+            return True
+        for owner in (self, getattr(self, "model", None)):
+            if getattr(getattr(owner, "config", None), "output_attentions", False) is True:
+                return True
+        return False
+
+    def _aitune_plain_call(self) -> Callable[..., Any]:
+        """The concrete class's own __call__, without the mixin's call bookkeeping."""
+        return super(type(self), self).__call__  # type: ignore[misc]
+
+    def _aitune_state_or_raise(self) -> _AITuneState:
+        state = self.__dict__.get("_aitune_state")
+        if state is None:
+            raise RuntimeError("aitune is not enabled here; call enable_aitune() first")
+        return state
+
+    def _aitune_component_replaced(self, name: str) -> None:
+        """A component was re-assigned (`pipe.unet = x`): register the new one in its place."""
+        state: _AITuneState | None = self.__dict__.get("_aitune_state")
+        if state is None or not any(found.name.split(".")[0] == name for found in state.found):
+            return
+        logger.info("component %r replaced: re-registering aitune targets", name)
+        self.disable_aitune()
+        options = dict(state.options)
+        self.enable_aitune(options.pop("targets"), **options)
+
+
+def _fields(config: TuningConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in TuningConfig.__dataclass_fields__}
+
+
+def _apply_weight_motion(registration: Registration, found: list[FoundTarget]) -> None:
+    for target in found:
+        inside, around = weight_motion(target.component, target.path)
+        if inside:
+            registration.targets[target.name].pin_eager(inside)
+        elif around:
+            registration.targets[target.name].restrict(
+                lambda backend: not backend.bakes_weights, f"{around}; a backend that bakes weights would go stale"
+            )
+
+
+def _record_end_to_end(state: _AITuneState, eager: list[float], tuned: list[float], method: str) -> dict[str, Any]:
+    eager_s, tuned_s = statistics.median(eager), statistics.median(tuned)
+    result = {"eager_s": eager_s, "tuned_s": tuned_s, "speedup": eager_s / tuned_s, "method": method}
+    state.registration.end_to_end = result
+    return result

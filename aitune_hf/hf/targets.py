@@ -1,0 +1,175 @@
+"""Target discovery: "blocks" / "components" / dotted names / a callable -> {dotted name: module}.
+
+Names are dotted paths from the pipeline (``"unet.down_blocks.0"``, ``"transformer.single_transformer_blocks.3"``)
+or, for a bare model, from the model (``"encoder.layer.0"``). Discovery reads the models' own declarations
+(``_repeated_blocks``, ``_no_split_modules``) and the UNet / VAE stage layout; it hard-codes no attribute chain.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+TargetSelection = str | Sequence[str] | Callable[[Any], Any]
+MODES = ("blocks", "components")
+
+
+@dataclass(frozen=True)
+class FoundTarget:
+    """One target: its name, the component (root module) it lives in, its path there, and the module."""
+
+    name: str
+    component: nn.Module
+    path: str
+    module: nn.Module
+
+
+def components_of(obj: Any) -> dict[str, nn.Module]:
+    """Name -> module of each neural component: a Diffusers pipeline's components, a Transformers pipeline's
+    model (named "model"), or a bare model (named "")."""
+    if isinstance(obj, nn.Module):
+        return {"": obj}
+    components = getattr(obj, "components", None)
+    if isinstance(components, Mapping):  # a Diffusers pipeline
+        return {name: c for name, c in components.items() if isinstance(c, nn.Module)}
+    model = getattr(obj, "model", None)
+    if isinstance(model, nn.Module):  # a Transformers pipeline
+        return {"model": model}
+    raise TypeError(
+        f"cannot find components in a {type(obj).__name__}: pass a Diffusers pipeline, a Transformers pipeline "
+        f"or model, or an nn.Module"
+    )
+
+
+def _join(prefix: str, path: str) -> str:
+    return ".".join(part for part in (prefix, path) if part)
+
+
+def block_paths(component: nn.Module) -> list[str]:
+    """Paths of the coarsest repeated units of one component, never two nested ones."""
+    down, up = getattr(component, "down_blocks", None), getattr(component, "up_blocks", None)
+    if isinstance(down, nn.ModuleList) and isinstance(up, nn.ModuleList):  # a UNet: its stages
+        mid = ["mid_block"] if isinstance(getattr(component, "mid_block", None), nn.Module) else []
+        return [f"down_blocks.{i}" for i in range(len(down))] + mid + [f"up_blocks.{i}" for i in range(len(up))]
+    decoder = getattr(component, "decoder", None)
+    if callable(getattr(component, "decode", None)) and isinstance(getattr(decoder, "up_blocks", None), nn.ModuleList):
+        # A VAE runs through decode(), not forward: its decoder's stages.
+        mid = ["decoder.mid_block"] if isinstance(getattr(decoder, "mid_block", None), nn.Module) else []
+        return mid + [f"decoder.up_blocks.{i}" for i in range(len(decoder.up_blocks))]
+    classes = set(getattr(component, "_repeated_blocks", None) or []) or set(
+        getattr(component, "_no_split_modules", None) or []
+    )
+    if not classes:
+        return []
+    modules = dict(component.named_modules())
+    paths: list[str] = []
+    for name, module in modules.items():
+        if not name or type(module).__name__ not in classes:
+            continue
+        parent = modules[name.rsplit(".", 1)[0]] if "." in name else component
+        if not isinstance(parent, nn.ModuleList):
+            continue
+        if any(name.startswith(p + ".") for p in paths):
+            continue  # inside a block already chosen
+        paths.append(name)
+    return paths
+
+
+def component_paths(name: str, component: nn.Module) -> list[str]:
+    """The path that runs a component as a whole: the VAE's decoder (it runs through decode()), else the root."""
+    if callable(getattr(component, "decode", None)) and isinstance(getattr(component, "decoder", None), nn.Module):
+        return ["decoder"]
+    return [""]
+
+
+def find_targets(obj: Any, targets: TargetSelection = "blocks") -> list[FoundTarget]:
+    """Resolve a target selection on a pipeline or model into concrete modules.
+
+    Raises:
+        ValueError: an unknown mode string, a name that does not resolve, an empty selection.
+        TypeError: a callable that returns something other than modules.
+    """
+    components = components_of(obj)
+    if isinstance(targets, str):
+        if targets not in MODES:
+            raise ValueError(
+                f"unknown targets {targets!r}; valid: 'blocks', 'components', a list of dotted module names "
+                f"(e.g. {_examples(components)}), or a callable"
+            )
+        rule = block_paths if targets == "blocks" else None
+        found = []
+        for prefix, component in components.items():
+            paths = rule(component) if rule else component_paths(prefix, component)
+            found += [FoundTarget(_join(prefix, p), component, p, component.get_submodule(p)) for p in paths]
+    elif callable(targets):
+        found = _from_callable(components, targets(obj))
+    elif isinstance(targets, Iterable):
+        found = [_resolve(components, name) for name in targets]
+    else:
+        raise TypeError(f"targets must be a string, a list of names or a callable, got {type(targets).__name__}")
+    if not found:
+        raise ValueError(
+            f"targets={targets!r} found nothing to tune in this {type(obj).__name__}; valid names look like "
+            f"{_examples(components)}"
+        )
+    return found
+
+
+def _resolve(components: dict[str, nn.Module], name: Any) -> FoundTarget:
+    if not isinstance(name, str):
+        raise TypeError(f"target names are dotted strings, got {type(name).__name__}: {name!r}")
+    for prefix, component in components.items():
+        if prefix and name != prefix and not name.startswith(prefix + "."):
+            continue
+        path = name[len(prefix) + 1 :] if prefix and name != prefix else ("" if prefix else name)
+        try:
+            return FoundTarget(name, component, path, component.get_submodule(path))
+        except AttributeError:
+            break
+    valid = [_join(p, s) for p, c in components.items() for s in block_paths(c) or [""]]
+    close = difflib.get_close_matches(name, valid, n=3)
+    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+    raise ValueError(
+        f"target {name!r} does not name a module here.{hint} Components: {', '.join(repr(p) for p in components)}; "
+        f"blocks: {', '.join(valid[:12])}{' ...' if len(valid) > 12 else ''}"
+    )
+
+
+def _from_callable(components: dict[str, nn.Module], result: Any) -> list[FoundTarget]:
+    """Accept a mapping name -> module or an iterable of modules; names come from where each module sits."""
+    located = {
+        id(module): (_join(prefix, path), component, path)
+        for prefix, component in components.items()
+        for path, module in component.named_modules()
+    }
+    items = list(result.items()) if isinstance(result, Mapping) else [(None, m) for m in result]
+    found = []
+    for given, module in items:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"the targets callable returned {type(module).__name__} ({module!r:.60}); it must return "
+                f"nn.Module instances (or a mapping of name -> module)"
+            )
+        if id(module) not in located:
+            raise ValueError(f"the targets callable returned a {type(module).__name__} that is not part of this object")
+        name, component, path = located[id(module)]
+        found.append(FoundTarget(given or name, component, path, module))
+    return found
+
+
+def _examples(components: dict[str, nn.Module]) -> str:
+    for prefix, component in components.items():
+        paths = block_paths(component)
+        if paths:
+            return repr(_join(prefix, paths[0]))
+    return repr(next(iter(components), "component"))
+
+
+def as_modules(found: list[FoundTarget]) -> dict[str, torch.nn.Module]:
+    """Name -> module, in discovery order, for `aitune_hf.core.register`."""
+    return {target.name: target.module for target in found}

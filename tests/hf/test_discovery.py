@@ -1,0 +1,104 @@
+"""targets=: blocks, components, dotted names, callables, and the errors for bad selections."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+from aitune_hf import AITuneModel
+from aitune_hf.hf.targets import as_modules, find_targets
+from aitune_hf.testing import minilm_path
+
+
+@pytest.fixture(scope="module")
+def pipes(pipeline_folders):
+    return {family: DiffusionPipeline.from_pretrained(folder) for family, folder in pipeline_folders.items()}
+
+
+def _names(obj, targets="blocks") -> list[str]:
+    return [t.name for t in find_targets(obj, targets)]
+
+
+def _assert_not_nested(names: list[str]) -> None:
+    for a in names:
+        assert not any(b.startswith(a + ".") for b in names), f"{a} contains another target"
+
+
+def test_sd_blocks_are_unet_stages_vae_decoder_stages_and_clip_layers(pipes) -> None:
+    names = _names(pipes["sd"])
+    assert [n for n in names if n.startswith("unet.")] == [
+        "unet.down_blocks.0", "unet.down_blocks.1", "unet.mid_block", "unet.up_blocks.0", "unet.up_blocks.1",
+    ]  # fmt: skip
+    assert [n for n in names if n.startswith("vae.")] == [
+        "vae.decoder.mid_block", "vae.decoder.up_blocks.0", "vae.decoder.up_blocks.1", "vae.decoder.up_blocks.2",
+    ]  # fmt: skip
+    assert [n for n in names if n.startswith("text_encoder.")] == [
+        "text_encoder.encoder.layers.0", "text_encoder.encoder.layers.1",
+    ]  # fmt: skip
+    _assert_not_nested(names)
+
+
+def test_flux_blocks_use_repeated_blocks(pipes) -> None:
+    names = _names(pipes["flux"])
+    assert "transformer.transformer_blocks.0" in names
+    assert "transformer.single_transformer_blocks.0" in names
+    assert any(n.startswith("text_encoder_2.encoder.block.") for n in names)  # T5 blocks
+    assert any(n.startswith("text_encoder.encoder.layers.") for n in names)  # CLIP layers
+    assert not any(".attn" in n or "transformer_blocks.0." in n for n in names)
+    _assert_not_nested(names)
+
+
+def test_pixart_blocks_fall_back_to_no_split_modules_in_module_lists(pipes) -> None:
+    names = _names(pipes["pixart"])
+    transformer = [n for n in names if n.startswith("transformer.")]
+    assert transformer == [f"transformer.transformer_blocks.{i}" for i in range(len(transformer))]
+    assert "transformer.pos_embed" not in names  # PatchEmbed is in _no_split_modules but not in a ModuleList
+    _assert_not_nested(names)
+
+
+def test_minilm_blocks_are_bert_layers() -> None:
+    model = AITuneModel.from_pretrained(minilm_path(), local_files_only=True)
+    assert _names(model) == [f"encoder.layer.{i}" for i in range(6)]
+    assert _names(model, "components") == [""]
+
+
+def test_components_mode(pipes) -> None:
+    assert _names(pipes["sd"], "components") == ["vae.decoder", "text_encoder", "unet"]
+
+
+def test_dotted_names_and_callables(pipes) -> None:
+    sd = pipes["sd"]
+    found = find_targets(sd, ["unet.mid_block", "vae.decoder.up_blocks.1", "text_encoder"])
+    assert [t.module for t in found] == [sd.unet.mid_block, sd.vae.decoder.up_blocks[1], sd.text_encoder]
+    assert found[1].component is sd.vae and found[1].path == "decoder.up_blocks.1"
+    by_callable = find_targets(sd, lambda pipe: [pipe.unet.up_blocks[0], pipe.unet.down_blocks[1]])
+    assert [t.name for t in by_callable] == ["unet.up_blocks.0", "unet.down_blocks.1"]
+    named = as_modules(find_targets(sd, lambda pipe: {"first": pipe.unet.down_blocks[0]}))
+    assert named == {"first": sd.unet.down_blocks[0]}
+
+
+def test_bad_selections_say_what_is_valid(pipes) -> None:
+    sd = pipes["sd"]
+    with pytest.raises(ValueError, match=r"unknown targets 'layers'; valid: 'blocks', 'components'"):
+        find_targets(sd, "layers")
+    with pytest.raises(ValueError, match=r"'unet.down_block.0' does not name a module.*'unet.down_blocks.0'"):
+        find_targets(sd, ["unet.down_block.0"])
+    with pytest.raises(ValueError, match=r"'tokenizer.x' does not name a module.*Components: 'vae'"):
+        find_targets(sd, ["tokenizer.x"])
+    with pytest.raises(TypeError, match=r"must return nn\.Module instances"):
+        find_targets(sd, lambda pipe: [pipe.unet.mid_block, "unet.up_blocks.0"])
+    with pytest.raises(ValueError, match="not part of this object"):
+        find_targets(sd, lambda pipe: [torch.nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match="Diffusers pipeline"):
+        find_targets(object(), "blocks")
+
+
+def test_nested_selection_is_refused_at_enable(pipes, pipeline_folders) -> None:
+    from aitune_hf import AITunePipeline
+
+    pipe = AITunePipeline.from_pretrained(pipeline_folders["sd"])
+    with pytest.raises(ValueError, match=r"targets may not nest: 'unet.mid_block' is inside 'unet'"):
+        pipe.enable_aitune(["unet", "unet.mid_block"])
+    assert pipe.aitune is None
+    assert "forward" not in pipe.unet.__dict__
