@@ -62,6 +62,7 @@ class OnnxRuntimeBackend(Backend):
     def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
         import onnxruntime
 
+        onnxruntime.set_default_logger_severity(3)  # failures are reported by aitune_hf, not printed
         args, kwargs = samples[0]
         in_leaves, in_spec = pytree.tree_flatten((args, kwargs))
         tensor_positions = [i for i, leaf in enumerate(in_leaves) if isinstance(leaf, torch.Tensor)]

@@ -1,0 +1,150 @@
+"""Diffusers pipelines end to end: load, enable, record, tune inside the flow, match eager, report, disable."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from diffusers import DiffusionPipeline, StableDiffusionPipeline, UNet2DConditionModel
+
+from aitune_hf import AITunePipeline, TargetState, enable_aitune
+from aitune_hf.hf.mixin import AITuneMixin
+from tests.hf.conftest import QUICK, call_kwargs, run, unpatched
+
+ORT = {"backends": ["onnxruntime"], "min_speedup": 0, **QUICK}
+DENOISER = {"sd": "unet.", "flux": "transformer.", "pixart": "transformer."}
+
+
+def _load(folder):
+    pipe = AITunePipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module", params=["sd", "flux", "pixart"])
+def tuned(request, pipeline_folders):
+    """Each family: eager output, then enable + record + tune + tuned calls (shared by the tests below)."""
+    family = request.param
+    pipe = _load(pipeline_folders[family])
+    expected = run(pipe, family)
+    registration = pipe.enable_aitune("blocks", **ORT)
+    recorded = run(pipe, family)
+    after_recording = {name: t.state for name, t in registration.targets.items()}
+    armed = all(t.armed for t in registration.targets.values())
+    tuning = run(pipe, family)
+    again = run(pipe, family)
+    yield {
+        "family": family, "pipe": pipe, "registration": registration, "expected": expected, "recorded": recorded,
+        "after_recording": after_recording, "armed": armed, "tuning": tuning, "again": again,
+    }  # fmt: skip
+    pipe.disable_aitune()
+
+
+def test_loaded_as_the_concrete_class(tuned) -> None:
+    pipe = tuned["pipe"]
+    concrete = type(pipe).__mro__[1]
+    assert isinstance(pipe, AITuneMixin) and isinstance(pipe, concrete)
+    assert type(pipe).__name__ == concrete.__name__ and type(pipe).__module__ == concrete.__module__
+
+
+def test_first_call_records_eagerly_and_arms(tuned) -> None:
+    np.testing.assert_array_equal(tuned["recorded"], tuned["expected"])
+    assert set(tuned["after_recording"].values()) == {TargetState.RECORDING}
+    assert tuned["armed"]
+
+
+def test_second_call_tunes_and_output_matches_eager(tuned) -> None:
+    registration = tuned["registration"]
+    assert registration.all_tuned
+    np.testing.assert_allclose(tuned["tuning"], tuned["expected"], atol=2e-3)
+    np.testing.assert_allclose(tuned["again"], tuned["expected"], atol=2e-3)
+    denoiser = [t for name, t in registration.targets.items() if name.startswith(DENOISER[tuned["family"]])]
+    assert denoiser and all(t.state is TargetState.TUNED for t in denoiser), registration.report()
+    for target in registration.targets.values():
+        assert target.state is TargetState.TUNED or target.reason  # eager always says why
+
+
+def test_per_block_state_is_readable_from_the_pipeline(tuned) -> None:
+    pipe = tuned["pipe"]
+    name = next(n for n in pipe.aitune.targets if n.startswith(DENOISER[tuned["family"]]))
+    report = pipe.aitune.reports[name]
+    assert report.backend == "onnxruntime" and report.signatures and report.calls["onnxruntime"] >= 1
+    text = str(pipe.aitune.report())
+    assert text.splitlines()[0].startswith("end to end: eager") and name in text
+    assert sum(pipe.aitune.state_counts.values()) == len(pipe.aitune.targets)
+    data = json.loads(pipe.aitune.report().to_json())
+    assert data["end_to_end"]["speedup"] > 0 and name in data["modules"]
+
+
+def test_disable_restores_every_forward(pipeline_folders) -> None:
+    pipe = _load(pipeline_folders["sd"])
+    expected = run(pipe, "sd")
+    registration = pipe.enable_aitune(["unet.mid_block", "vae.decoder.up_blocks.1"], **ORT)
+    modules = list(registration.modules.values())
+    run(pipe, "sd")
+    run(pipe, "sd")
+    assert registration.state_counts == {"tuned": 2}
+    pipe.disable_aitune()
+    assert pipe.aitune is None and unpatched(modules) and all("forward" not in m.__dict__ for m in modules)
+    np.testing.assert_array_equal(run(pipe, "sd"), expected)
+
+
+def test_from_pretrained_hook_manual_arming_and_measure(pipeline_folders) -> None:
+    pipe = AITunePipeline.from_pretrained(
+        pipeline_folders["sd"], aitune={"targets": ["unet.down_blocks.1"], "tune_after_calls": None, **ORT}
+    )
+    pipe.set_progress_bar_config(disable=True)
+    assert list(pipe.aitune.modules) == ["unet.down_blocks.1"]
+    run(pipe, "sd")
+    run(pipe, "sd")
+    assert pipe.aitune.state_counts == {"recording": 1}
+    pipe.aitune.tune()
+    run(pipe, "sd")
+    assert pipe.aitune.all_tuned
+    measured = pipe.measure_aitune(prompt="a horse", height=64, width=64, num_inference_steps=2, rounds=2)
+    assert measured["method"].startswith("interleaved") and measured["eager_s"] > 0 and measured["tuned_s"] > 0
+    assert pipe.aitune.report().end_to_end == measured
+    pipe.disable_aitune()
+
+
+def test_enable_aitune_on_an_object_built_elsewhere(pipeline_folders) -> None:
+    pipe = DiffusionPipeline.from_pretrained(pipeline_folders["sd"])
+    assert type(pipe) is StableDiffusionPipeline
+    registration = enable_aitune(pipe, targets="components", backends=[], progress=False)
+    assert isinstance(pipe, StableDiffusionPipeline) and pipe.aitune is registration
+    assert list(registration.modules) == ["vae.decoder", "text_encoder", "unet"]
+    with pytest.raises(RuntimeError, match="already enabled"):
+        pipe.enable_aitune()
+    pipe.disable_aitune()
+    with pytest.raises(ValueError, match="unknown targets 'everything'"):
+        pipe.enable_aitune("everything")
+    assert pipe.aitune is None and "forward" not in pipe.unet.__dict__
+
+
+def test_save_pretrained_writes_the_real_class_and_plain_diffusers_reloads(pipeline_folders, tmp_path) -> None:
+    pipe = _load(pipeline_folders["sd"])
+    pipe.enable_aitune("blocks", backends=[], progress=False)
+    run(pipe, "sd")
+    pipe.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "model_index.json").read_text())["_class_name"] == "StableDiffusionPipeline"
+    reloaded = DiffusionPipeline.from_pretrained(tmp_path)
+    assert type(reloaded) is StableDiffusionPipeline
+    reloaded.set_progress_bar_config(disable=True)
+    pipe.disable_aitune()
+    np.testing.assert_array_equal(run(reloaded, "sd"), run(pipe, "sd"))
+
+
+def test_replacing_a_component_registers_the_new_one(pipeline_folders) -> None:
+    pipe = _load(pipeline_folders["sd"])
+    old_unet = pipe.unet
+    pipe.enable_aitune("blocks", backends=[], progress=False)
+    new_unet = UNet2DConditionModel.from_pretrained(pipeline_folders["sd"] / "unet").eval()
+    pipe.unet = new_unet
+    assert pipe.aitune.modules["unet.mid_block"] is new_unet.mid_block
+    assert unpatched(old_unet.modules())
+    run(pipe, "sd")
+    steps = call_kwargs("sd")["num_inference_steps"]
+    assert pipe.aitune.targets["unet.mid_block"].calls_recorded == steps  # one UNet call per step
+    pipe.disable_aitune()
+    assert unpatched(new_unet.modules())
