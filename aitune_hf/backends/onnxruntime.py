@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import shutil
 import tempfile
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -80,9 +82,6 @@ class OnnxRuntimeBackend(Backend):
         output_names = [f"output_{i}" for i in range(len(out_tensor_positions))]
         device = next(leaf.device for leaf in in_leaves if isinstance(leaf, torch.Tensor))
 
-        directory = self.artifact_dir or Path(tempfile.mkdtemp(prefix="aitune_hf_onnx_"))
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{type(module).__name__}_{id(module):x}_{len(list(directory.iterdir()))}.onnx"
         with _quiet_exporter(), torch.inference_mode(False), torch.no_grad():
             example = tuple(in_leaves[i].clone() for i in tensor_positions)
             program = torch.onnx.export(
@@ -95,7 +94,7 @@ class OnnxRuntimeBackend(Backend):
                 optimize=True,
                 verbose=False,
             )
-            program.save(str(path), external_data=_needs_external_data(module))
+            model, path, cleanup = self._place(program, module)
 
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = self.intra_op_num_threads or torch.get_num_threads()
@@ -110,7 +109,7 @@ class OnnxRuntimeBackend(Backend):
             providers = [
                 (p, {"device_id": device.index or 0}) if p == "CUDAExecutionProvider" else p for p in providers
             ]
-        session = onnxruntime.InferenceSession(str(path), options, providers=providers)
+        session = onnxruntime.InferenceSession(model, options, providers=providers)
         runner = _SessionRunner(
             session=session,
             device=device,
@@ -122,7 +121,21 @@ class OnnxRuntimeBackend(Backend):
             out_shapes=[tuple(out_leaves[i].shape) for i in out_tensor_positions],
             out_dtypes=[out_leaves[i].dtype for i in out_tensor_positions],
         )
-        return BuiltBackend(fn=runner, bakes_weights=True, artifacts=[path])
+        if cleanup is not None:  # a temporary folder lives as long as the session that reads it
+            weakref.finalize(runner, shutil.rmtree, cleanup, ignore_errors=True)
+        return BuiltBackend(fn=runner, bakes_weights=True, artifacts=[path] if path else [])
+
+    def _place(self, program: Any, module: torch.nn.Module) -> tuple[Any, Path | None, Path | None]:
+        """Where the session reads the model from: `artifact_dir` when set, else memory (or, past protobuf's
+        2 GB limit, a temporary folder removed with the session). Returns (model, saved path, folder to remove)."""
+        large = _needs_external_data(module)
+        if self.artifact_dir is None and not large:
+            return program.model_proto.SerializeToString(), None, None
+        directory = self.artifact_dir or Path(tempfile.mkdtemp(prefix="aitune_hf_onnx_"))
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{type(module).__name__}_{id(module):x}_{len(list(directory.iterdir()))}.onnx"
+        program.save(str(path), external_data=large)
+        return str(path), path, None if self.artifact_dir else directory
 
 
 class _FlatForward(torch.nn.Module):

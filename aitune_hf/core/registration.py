@@ -46,8 +46,9 @@ def register(
 def _collect(modules: Any) -> dict[str, torch.nn.Module]:
     """Name -> module, containers expanded, duplicates dropped (first name kept), input order kept."""
     if isinstance(modules, torch.nn.ModuleList | torch.nn.Sequential):
-        items: list[tuple[str, Any]] = [(name, child) for name, child in modules.named_children()]
-    elif isinstance(modules, torch.nn.Module):
+        modules = {"": modules}  # one container given alone: its elements, named by index
+    items: list[tuple[str, Any]]
+    if isinstance(modules, torch.nn.Module):
         items = [(type(modules).__name__, modules)]
     elif isinstance(modules, Mapping):
         items = list(modules.items())
@@ -61,7 +62,8 @@ def _collect(modules: Any) -> dict[str, torch.nn.Module]:
     seen: set[int] = set()
     for name, module in items:
         if isinstance(module, torch.nn.ModuleList | torch.nn.Sequential):
-            children = [(f"{name}.{child_name}", child) for child_name, child in module.named_children()]
+            prefix = f"{name}." if name else ""
+            children = [(f"{prefix}{child_name}", child) for child_name, child in module.named_children()]
         else:
             children = [(str(name), module)]
         for child_name, child in children:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,7 @@ class ModuleReport:
             for c in s.candidates
             if c.backend == s.chosen and c.max_abs_error is not None
         ]
-        return max(errors) if errors else (0.0 if self.signatures else None)
+        return max(errors) if errors else None  # eager kept: nothing to compare
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -118,8 +118,10 @@ class TuningReport:
         rows = []
         for report in self.modules.values():
             note = report.reason or ""
-            if not note and report.signatures and report.signatures[0].shared_from:
-                note = f"decision shared with {report.signatures[0].shared_from}"
+            shared = next((s.shared_from for s in report.signatures if s.shared_from), None)
+            if shared:  # the timings shown are the sibling's: this block was checked, not timed
+                note = f"{note}; " if note else ""
+                note += f"decision and timings shared with {shared}"
             rows.append(
                 [
                     report.name,
@@ -179,6 +181,27 @@ class TuningReport:
             "tuning_seconds": self.tuning_seconds,
             "modules": {name: report.to_dict() for name, report in self.modules.items()},
         }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TuningReport:
+        """Rebuild a report from `to_dict()` or the parsed JSON of `to_json()` (derived keys are ignored)."""
+        if not isinstance(data, dict) or not isinstance(data.get("modules"), dict):
+            raise ValueError("not an aitune_hf report: expected a JSON object with a 'modules' object")
+
+        def build(kind: type, raw: Any, **nested: Any) -> Any:
+            if not isinstance(raw, dict):
+                raise ValueError(f"not an aitune_hf report: a {kind.__name__} entry is not an object")
+            names = {f.name for f in fields(kind)} - set(nested)
+            return kind(**{k: v for k, v in raw.items() if k in names}, **nested)
+
+        modules = {}
+        for name, raw in data["modules"].items():
+            signatures = [
+                build(SignatureReport, sig, candidates=[build(CandidateResult, c) for c in sig.get("candidates") or []])
+                for sig in (raw.get("signatures") or [] if isinstance(raw, dict) else [])
+            ]
+            modules[name] = build(ModuleReport, raw, signatures=signatures)
+        return cls(modules, end_to_end=data.get("end_to_end"), tuning_seconds=data.get("tuning_seconds") or 0.0)
 
     def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
         """The report as JSON (non-finite numbers become null); written to `path` when given."""

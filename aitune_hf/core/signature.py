@@ -108,8 +108,15 @@ class Sample:
     kwargs: dict[str, Any]
     nbytes: int
 
+    @staticmethod
+    def nbytes_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """Bytes that capturing this call would copy."""
+        leaves = pytree.tree_leaves((args, kwargs))
+        return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
     @classmethod
     def capture(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sample:
+        """Detached copies of the call's tensors (so later in-place edits by the caller cannot alter them)."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         nbytes = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
         with torch.no_grad():

@@ -16,6 +16,7 @@ from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.report import CandidateResult, SignatureReport
 from aitune_hf.core.signature import InputSignature, Sample
 from aitune_hf.core.timing import Stopwatch, time_interleaved
+from aitune_hf.core.weights import WeightsFingerprint
 
 if TYPE_CHECKING:
     from aitune_hf.core.config import TuningConfig
@@ -56,6 +57,8 @@ class TuningJob:
         self.restriction = restriction
         self.devices = sorted(signature.devices, key=str)
         self.report = SignatureReport(signature=signature.short(), samples=len(self.calls))
+        #: Weight fingerprints of the built candidates that bake weights, by backend name.
+        self.fingerprints: dict[str, WeightsFingerprint] = {}
         with self.mode():
             self.references = [forward(*args, **kwargs) for args, kwargs in self.calls]
 
@@ -72,7 +75,10 @@ class TuningJob:
     def unavailable_reason(self, backend: Backend) -> str | None:
         reason = self.restriction(backend) or backend.unavailable_reason(self.signature.devices)
         if reason is None and self.signature.grad_enabled and not backend.supports_autograd:
-            reason = "calls run with autograd enabled and this backend cannot backpropagate"
+            reason = (
+                "calls run with autograd enabled and this backend cannot backpropagate "
+                "(call under torch.inference_mode() or torch.no_grad() to allow it)"
+            )
         if reason is None and self.signature.has_opaque_leaves and backend.bakes_weights:
             reason = "inputs hold non-tensor objects that this backend would bake in as constants"
         return reason
@@ -99,6 +105,8 @@ class TuningJob:
                         result.error = f"wrong output: {check.reason}"
                         return result, None
             result.max_abs_error = worst
+            if built.bakes_weights:
+                self.fingerprints[result.backend] = WeightsFingerprint(self.module)
             return result, built
         except Exception as error:  # a failing backend is a finding, not a crash
             logger.debug("%s failed on %s", backend.describe(), self.signature, exc_info=True)
@@ -110,7 +118,7 @@ class TuningJob:
 
         Returns the candidates that survived; one that raised while being timed gets its error recorded.
         """
-        fns = {"eager": self.forward} | {result.backend: built.fn for result, built in candidates}
+        fns = {"eager": self.forward} | {result.backend: self.serving(result, built) for result, built in candidates}
         with self.mode():
             latencies, failures = time_interleaved(
                 fns, self.calls, self.devices, self.config.warmup, self.config.repeats, baseline="eager"
@@ -126,6 +134,18 @@ class TuningJob:
             result.speedup = latencies["eager"] / result.latency_s if result.latency_s else None
             survivors.append(result)
         return survivors
+
+    def serving(self, result: CandidateResult, built: BuiltBackend) -> Callable[..., Any]:
+        """The candidate as it will serve: with the weight check that guards a backend that baked weights."""
+        fingerprint = self.fingerprints.get(result.backend)
+        if fingerprint is None:
+            return built.fn
+
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            fingerprint.changed()
+            return built.fn(*args, **kwargs)
+
+        return checked
 
     def keep_eager(self, reason: str) -> Decision:
         self.report.chosen, self.report.reason = "eager", reason

@@ -22,10 +22,10 @@ from aitune_hf.core.signature import InputSignature, Sample, signature_of
 from aitune_hf.core.slots import ForwardSlot, all_slots, locate_slot
 from aitune_hf.core.strategy import Decision, TuningError, TuningJob
 from aitune_hf.core.timing import Stopwatch
-from aitune_hf.core.weights import WeightsFingerprint
 
 if TYPE_CHECKING:
     from aitune_hf.core.registration import Registration
+    from aitune_hf.core.weights import WeightsFingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class _Route:
     backend: Backend | None  # None: eager
     built: BuiltBackend | None
     report: SignatureReport
-    fingerprint: WeightsFingerprint | None = None
+    fingerprint: WeightsFingerprint | None = None  # set when the backend baked the weights
     stale: bool = False  # dropped after a failure or a weight change: eager, recorded, re-tuned by tune()
 
 
@@ -222,10 +222,10 @@ class Target:
         self.calls_recorded += 1
         kept = self.samples.setdefault(signature, [])
         if len(kept) < config.max_samples_per_signature:
-            sample = Sample.capture(args, kwargs)
-            if self.sample_bytes + sample.nbytes <= config.max_sample_bytes or not kept:
-                kept.append(sample)
-                self.sample_bytes += sample.nbytes
+            nbytes = Sample.nbytes_of(args, kwargs)
+            if self.sample_bytes + nbytes <= config.max_sample_bytes or not kept:
+                kept.append(Sample.capture(args, kwargs))
+                self.sample_bytes += nbytes
         if config.after_calls and self.state is TargetState.RECORDING and self.calls_recorded >= config.after_calls:
             self.armed = True
 
@@ -280,9 +280,7 @@ class Target:
             if sibling_key is not None:
                 registration._shared_decisions[sibling_key] = (self.name, decision)
         logger.info("%s [%s]: %s", self.name, signature.short(), decision.report.chosen)
-        fingerprint = None
-        if decision.built is not None and decision.built.bakes_weights:
-            fingerprint = WeightsFingerprint(self.module)
+        fingerprint = job.fingerprints.get(decision.report.chosen) if decision.built is not None else None
         return _Route(decision.backend, decision.built, decision.report, fingerprint)
 
     def _reuse(self, job: TuningJob, shared: tuple[str, Decision]) -> Decision | None:

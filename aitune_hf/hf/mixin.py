@@ -95,6 +95,11 @@ class AITuneMixin:
         Call it once tuning is done (`self.aitune.all_tuned`); each round makes one eager and one tuned call.
         """
         state = self._aitune_state_or_raise()
+        if not state.registration.all_tuned:
+            raise RuntimeError(
+                "measure_aitune() compares eager with tuned calls: call the pipeline until "
+                f"aitune.all_tuned is True first (states now: {state.registration.state_counts})"
+            )
         call = self._aitune_plain_call()
         eager, tuned = [], []
         for _ in range(rounds):

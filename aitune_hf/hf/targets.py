@@ -17,6 +17,8 @@ from torch import nn
 
 TargetSelection = str | Sequence[str] | Callable[[Any], Any]
 MODES = ("blocks", "components")
+#: The name of a bare model registered whole (targets="components" on a model, not a pipeline).
+BARE_MODEL_NAME = "model"
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,10 @@ def find_targets(obj: Any, targets: TargetSelection = "blocks") -> list[FoundTar
         found = []
         for prefix, component in components.items():
             paths = rule(component) if rule else component_paths(prefix, component)
-            found += [FoundTarget(_join(prefix, p), component, p, component.get_submodule(p)) for p in paths]
+            found += [
+                FoundTarget(_join(prefix, p) or BARE_MODEL_NAME, component, p, component.get_submodule(p))
+                for p in paths
+            ]
     elif callable(targets):
         found = _from_callable(components, targets(obj))
     elif isinstance(targets, Iterable):
@@ -124,6 +129,8 @@ def _resolve(components: dict[str, nn.Module], name: Any) -> FoundTarget:
     if not isinstance(name, str):
         raise TypeError(f"target names are dotted strings, got {type(name).__name__}: {name!r}")
     for prefix, component in components.items():
+        if not prefix and name == BARE_MODEL_NAME and not hasattr(component, BARE_MODEL_NAME):
+            return FoundTarget(name, component, "", component)
         if prefix and name != prefix and not name.startswith(prefix + "."):
             continue
         path = name[len(prefix) + 1 :] if prefix and name != prefix else ("" if prefix else name)

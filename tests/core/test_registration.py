@@ -50,6 +50,10 @@ def test_a_module_list_given_alone_registers_its_elements() -> None:
     stack = nn.ModuleList([MLPBlock(), MLPBlock()])
     with register(stack, MANUAL) as reg:
         assert list(reg.modules) == ["0", "1"]
+    inner = nn.Sequential(MLPBlock(), MLPBlock())
+    outer = nn.Sequential(inner, MLPBlock())
+    with register(outer, MANUAL) as reg:  # one level only: the inner Sequential is one element
+        assert reg.modules == {"0": inner, "1": outer[1]}
 
 
 def test_non_module_is_a_type_error_naming_it() -> None:

@@ -60,7 +60,8 @@ def test_pixart_blocks_fall_back_to_no_split_modules_in_module_lists(pipes) -> N
 def test_minilm_blocks_are_bert_layers() -> None:
     model = AITuneModel.from_pretrained(minilm_path(), local_files_only=True)
     assert _names(model) == [f"encoder.layer.{i}" for i in range(6)]
-    assert _names(model, "components") == [""]
+    assert _names(model, "components") == ["model"]
+    assert find_targets(model, ["model", "encoder.layer.5"])[0].module is model
 
 
 def test_components_mode(pipes) -> None:

@@ -99,6 +99,8 @@ def test_from_pretrained_hook_manual_arming_and_measure(pipeline_folders) -> Non
     run(pipe, "sd")
     run(pipe, "sd")
     assert pipe.aitune.state_counts == {"recording": 1}
+    with pytest.raises(RuntimeError, match=r"until aitune\.all_tuned"):
+        pipe.measure_aitune(prompt="a horse", height=64, width=64, num_inference_steps=2)
     pipe.aitune.tune()
     run(pipe, "sd")
     assert pipe.aitune.all_tuned
