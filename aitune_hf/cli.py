@@ -1,0 +1,596 @@
+"""`aitune-hf`: the command line of aitune_hf.
+
+    aitune-hf demo   [--family sd|flux|pixart|minilm] [--size tiny|small] [--backends inductor,onnxruntime] ...
+    aitune-hf tune   FOLDER [--targets blocks] [--backends ...] [--prompt ...] [--steps N] [--report PATH] ...
+    aitune-hf report PATH [--details]
+
+`demo` builds a small pipeline with random weights (nothing is downloaded), tunes its blocks, measures
+eager against tuned whole calls, and checks that the tuned output equals the eager output. `tune` does the
+same for a local Diffusers pipeline or Transformers model folder and writes the report as JSON. `report`
+prints a saved report as a table.
+
+Exit codes: 0 success, 1 the tuned output differed from eager (FAIL), 2 a usage error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from aitune_hf.core.report import TuningReport
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+DEMO_FAMILIES = ("sd", "flux", "pixart", "minilm")
+SIZES = ("tiny", "small")
+DEFAULT_BACKENDS = "inductor,onnxruntime"
+DEFAULT_PROMPT = "a photo of an astronaut riding a horse"
+#: Sentences for Transformers models: `tiny` uses the first two, `small` all of them.
+SENTENCES = (
+    "A man is eating food.",
+    "A man is riding a white horse on an enclosed ground.",
+    "The new movie is awesome and everyone should see it.",
+    "A monkey is playing drums.",
+    "Two men pushed carts through the woods.",
+    "A woman is playing the violin.",
+    "The cat sits outside on a sunny afternoon.",
+    "Someone is slicing a tomato in the kitchen.",
+)
+#: The tuned whole-call output must equal the eager one within this absolute tolerance, per output dtype.
+OUTPUT_ATOL = {"float64": 1e-6, "float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
+#: Errors that are the user's to fix: reported as one line, exit code 2, no traceback.
+USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, ImportError)
+
+
+class UsageError(ValueError):
+    """A mistake in the command line or its inputs (reported as one line)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# What is tuned: a pipeline or a model, with a fixed-seed call and the kwargs for measure_aitune
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """One object with the mixin, how to call it with fixed inputs, and the facts to print."""
+
+    obj: Any
+    kind: str  # "diffusers" or "transformers"
+    call_kwargs: dict[str, Any]
+    run: Callable[[], Any]  # one whole call with fixed inputs (fixed seed) -> output as a numpy array
+    describe: str
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def measure(self, rounds: int) -> dict[str, Any]:
+        with _inference(self.kind):
+            return self.obj.measure_aitune(**self.call_kwargs, rounds=rounds)
+
+
+def _inference(kind: str) -> Any:
+    """Diffusers pipelines run under no_grad themselves; Transformers models are called under inference_mode."""
+    import torch
+
+    return torch.inference_mode() if kind == "transformers" else contextlib.nullcontext()
+
+
+def _diffusers_workload(folder: Path, call_kwargs: dict[str, Any], seed: int) -> Workload:
+    import torch
+
+    from aitune_hf.hf.loading import AITunePipeline
+
+    pipe = AITunePipeline.from_pretrained(folder, local_files_only=True)
+    if not hasattr(pipe, "set_progress_bar_config"):
+        raise UsageError(f"{folder} did not load as a Diffusers pipeline (got {type(pipe).__name__})")
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = {**call_kwargs, "output_type": "np"}
+
+    def run() -> Any:
+        return pipe(**kwargs, generator=torch.Generator().manual_seed(seed)).images
+
+    return Workload(pipe, "diffusers", kwargs, run, f"{type(pipe).__name__} from {folder}")
+
+
+def _transformers_workload(folder: Path, texts: Sequence[str]) -> Workload:
+    import torch
+    from transformers import AutoTokenizer
+
+    from aitune_hf.hf.loading import AITuneModel
+
+    model = AITuneModel.from_pretrained(folder, local_files_only=True).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{folder} holds a Transformers model but no usable tokenizer: {_first_line(error)}") from None
+    batch = dict(tokenizer(list(texts), padding=True, return_tensors="pt"))
+
+    def run() -> Any:
+        with torch.inference_mode():
+            output = model(**batch)
+        return output[0].float().numpy()
+
+    shape = "x".join(str(d) for d in batch["input_ids"].shape)
+    describe = f"{type(model).__name__} from {folder}; a fixed batch of {len(texts)} sentence(s), tokens {shape}"
+    return Workload(model, "transformers", batch, run, describe)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The shared flow of demo and tune
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _pin_threads(threads: int) -> str:
+    import torch
+
+    if threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    n = torch.get_num_threads()
+    return (
+        f"threads: torch.set_num_threads({threads}) -> torch uses {n} intra-op thread(s); ONNX Runtime sessions "
+        f"take intra_op_num_threads={n} from torch.get_num_threads() (machine has {os.cpu_count()} cores)"
+    )
+
+
+def _parse_backends(text: str) -> list[str]:
+    from aitune_hf.backends.base import get_backend
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise UsageError("--backends needs at least one backend name, e.g. inductor,onnxruntime")
+    for name in names:
+        get_backend(name)  # ValueError naming the valid backends
+    return names
+
+
+def _parse_targets(text: str, obj: Any) -> Any:
+    """'blocks' / 'components' stay modes; a comma-separated list is dotted names; a bare word that is no
+    component is passed as a mode, so that discovery rejects it with the list of valid modes."""
+    from aitune_hf.hf.targets import MODES, components_of
+
+    text = text.strip()
+    if text in MODES:
+        return text
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise UsageError("--targets is empty; use 'blocks', 'components' or dotted module names")
+    if len(names) == 1 and "." not in names[0] and names[0] not in components_of(obj):
+        return names[0]
+    return names
+
+
+def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
+    config: dict[str, Any] = {"progress": not args.no_progress}
+    for name in ("repeats", "warmup", "min_speedup", "strategy"):
+        value = getattr(args, name, None)
+        if value is not None:
+            config[name] = value
+    return config
+
+
+def _compare(eager: Any, tuned: Any) -> tuple[float, float, bool]:
+    """(max abs diff, atol, within atol) of two whole-call outputs."""
+    import numpy as np
+
+    eager, tuned = np.asarray(eager), np.asarray(tuned)
+    if eager.shape != tuned.shape:
+        return float("inf"), 0.0, False
+    atol = OUTPUT_ATOL.get(str(eager.dtype), 1e-3)
+    diff = float(np.max(np.abs(tuned.astype(np.float64) - eager.astype(np.float64)))) if eager.size else 0.0
+    return diff, atol, bool(np.allclose(tuned, eager, atol=atol, rtol=0.0))
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def _tune_and_check(work: Workload, args: argparse.Namespace, out: Any) -> tuple[Any, dict[str, Any]]:
+    """Eager call, enable_aitune, recording call, tuning call, measurement, check. Returns (report, facts)."""
+    say = _printer(out)
+    backends = _parse_backends(args.backends)
+    targets = _parse_targets(args.targets, work.obj)
+    say(f"model: {work.describe}")
+
+    eager, eager_s = _timed(work.run)
+    fixed = "fixed seed" if work.kind == "diffusers" else "fixed inputs"
+    say(f"eager call ({fixed}): {eager_s:.3f} s")
+
+    registration = work.obj.enable_aitune(targets, backends=backends, **_config_fields(args))
+    say(f"enable_aitune(targets={targets!r}, backends={backends}): {len(registration.targets)} target(s)")
+    for name, target in registration.targets.items():
+        say(f"  {name} ({type(target.module).__name__})")
+
+    _, recording_s = _timed(work.run)
+    say(f"recording call: {recording_s:.3f} s (targets run eager and record their inputs; tuning is now armed)")
+    say("tuning: in the next call each target builds, checks and times its candidates inside the call's own flow")
+    _, tuning_s = _timed(work.run)
+    extra = 0
+    while not registration.all_tuned and extra < 2:  # a target that did not run in that call tunes in the next
+        _, more = _timed(work.run)
+        tuning_s, extra = tuning_s + more, extra + 1
+    say(f"tuning call: {tuning_s:.1f} s wall ({extra + 1} call(s)); states: {_counts(registration.state_counts)}")
+
+    tuned, tuned_s = _timed(work.run)
+    say(f"tuned call ({fixed}): {tuned_s:.3f} s")
+    rounds = args.rounds
+    say(f"measuring: measure_aitune(rounds={rounds}), eager and tuned whole calls interleaved ...")
+    work.measure(rounds)
+
+    report = registration.report()
+    diff, atol, ok = _compare(eager, tuned)
+    say("")
+    say(str(report))
+    if args.details:
+        say("")
+        say(details(report.to_dict()))
+    say("")
+    say(f"tuning: {tuning_s:.1f} s wall in the tuning call; {report.tuning_seconds:.1f} s summed over targets")
+    say(
+        f"check: tuned output vs eager output, {fixed}: max abs diff {diff:.3g} "
+        f"(atol {atol:g}): {'PASS' if ok else 'FAIL'}"
+    )
+    facts = {
+        **work.facts,
+        "threads": args.threads,
+        "targets": targets if isinstance(targets, str) else list(targets),
+        "backends": backends,
+        "eager_call_seconds": eager_s,
+        "tuning_call_seconds": tuning_s,
+        "max_abs_diff": diff,
+        "atol": atol,
+        "passed": ok,
+    }
+    return report, facts
+
+
+def _check_writable(path: str | Path | None) -> None:
+    """Fail before tuning, not after it, when the JSON cannot be written where asked."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{target} is a folder; give a file path for the JSON report")
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {target}: folder {target.parent} does not exist")
+
+
+def _write_json(report: Any, facts: dict[str, Any], path: str | Path) -> Path:
+    data = json.loads(report.to_json())
+    data.update(facts)
+    target = Path(path)
+    target.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return target
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace, out: Any) -> int:
+    """Build a small pipeline with random weights (or load all-MiniLM-L6-v2), tune its blocks, measure eager
+    against tuned whole calls, and check that the tuned output equals the eager output."""
+    say = _printer(out)
+    threads_line = _pin_threads(args.threads)
+    _parse_backends(args.backends)  # fail before building anything
+    _check_writable(args.json)
+    from aitune_hf import testing
+
+    started = time.perf_counter()
+    say(f"aitune-hf demo: family {args.family}, size {args.size}, backends {args.backends}")
+    say(threads_line)
+    with tempfile.TemporaryDirectory(prefix="aitune_hf_demo_") as tmp:
+        if args.family == "minilm":
+            folder = testing.minilm_path()
+            count = 2 if args.size == "tiny" else len(SENTENCES)
+            work = _transformers_workload(folder, SENTENCES[:count])
+            work.describe = f"real all-MiniLM-L6-v2 weights ({work.describe})"
+        else:
+            (folder, build_s) = _timed(lambda: testing.build_pipeline(args.family, Path(tmp) / args.family, args.size))
+            say(f"built a random {args.family} pipeline ({args.size}) in {build_s:.1f} s at {folder}")
+            work = _diffusers_workload(folder, testing.default_call_kwargs(args.family, args.size), 0)
+            call = ", ".join(f"{k}={v!r}" for k, v in work.call_kwargs.items() if k != "output_type")
+            say(f"call: {call}")
+        work.facts = {"command": "demo", "family": args.family, "size": args.size}
+        report, facts = _tune_and_check(work, args, out)
+        if args.json:
+            say(f"report JSON written to {_write_json(report, facts, args.json)}")
+        work.obj.disable_aitune()
+    say(f"demo took {time.perf_counter() - started:.1f} s")
+    return EXIT_OK if facts["passed"] else EXIT_FAIL
+
+
+def cmd_tune(args: argparse.Namespace, out: Any) -> int:
+    """Tune a local Diffusers pipeline or Transformers model folder, check it, and write the report JSON."""
+    from aitune_hf.hf.loading import folder_kind
+
+    say = _printer(out)
+    folder = Path(args.folder)
+    if not folder.exists():
+        raise FileNotFoundError(f"{folder}: no such folder")
+    if not folder.is_dir():
+        raise UsageError(f"{folder} is not a folder; pass a local Diffusers pipeline or Transformers model folder")
+    kind = folder_kind(folder)  # ValueError for a folder that is neither
+    call_extra = _parse_call_kwargs(args.call_kwargs)
+    _check_writable(args.report)
+    if kind == "diffusers" and args.text:
+        raise UsageError("--text is for Transformers model folders; a Diffusers pipeline takes --prompt")
+    if kind == "transformers" and (call_extra or args.height or args.width):
+        raise UsageError("--call-kwargs/--height/--width are for Diffusers pipelines; a model takes --text")
+    threads_line = _pin_threads(args.threads)
+    _parse_backends(args.backends)
+    say(threads_line)
+    if kind == "diffusers":
+        call = {"prompt": args.prompt, "num_inference_steps": args.steps}
+        call.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
+        call.update(call_extra)
+        work = _diffusers_workload(folder, call, args.seed)
+        say(f"call: {', '.join(f'{k}={v!r}' for k, v in call.items())}")
+    else:
+        work = _transformers_workload(folder, args.text or SENTENCES[:2])
+    work.facts = {"command": "tune", "folder": str(folder.resolve()), "kind": kind}
+    report, facts = _tune_and_check(work, args, out)
+    say(f"report JSON written to {_write_json(report, facts, args.report)}")
+    return EXIT_OK if facts["passed"] else EXIT_FAIL
+
+
+def cmd_report(args: argparse.Namespace, out: Any) -> int:
+    """Print a saved report JSON as a table."""
+    path = Path(args.path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise UsageError(f"{path} is not JSON: {error}") from None
+    say = _printer(out)
+    say(format_report(data))
+    if args.details:
+        say("")
+        say(details(data))
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading a saved report
+# --------------------------------------------------------------------------------------------------------------
+
+_REPORT_KEYS = ("modules", "end_to_end", "tuning_seconds")
+
+
+def format_report(data: dict[str, Any]) -> str:
+    """A saved report as text: the run's own facts (if any), then the table that `str(TuningReport)` prints."""
+    try:
+        report = TuningReport.from_dict(data)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    lines = []
+    line = ""
+    for item in (f"{k}: {_fact(v)}" for k, v in data.items() if k not in _REPORT_KEYS):
+        if line and len(line) + 2 + len(item) > 120:
+            lines.append(line)
+            line = ""
+        line = f"{line}  {item}" if line else item
+    if line:
+        lines.append(line)
+    e2e = data.get("end_to_end") or {}
+    if e2e.get("method"):
+        lines.append(f"end-to-end method: {e2e['method']}")
+    lines.append(str(report))
+    return "\n".join(lines)
+
+
+def details(data: dict[str, Any]) -> str:
+    """Per target and input signature: every candidate with its speed-up, error and build time."""
+    lines = ["candidates per target and input signature:"]
+    for name, module in (data.get("modules") or {}).items():
+        for sig in module.get("signatures") or []:
+            shared = f", decision shared with {sig['shared_from']}" if sig.get("shared_from") else ""
+            lines.append(f"{name} [{sig.get('signature')}] -> {sig.get('chosen')}{shared}")
+            if sig.get("reason"):
+                lines.append(f"    reason: {sig['reason']}")
+            for cand in sig.get("candidates") or []:
+                if cand.get("error"):
+                    lines.append(f"    {cand.get('backend')}: {cand['error']}")
+                    continue
+                speedup = cand.get("speedup")
+                build = cand.get("build_seconds")
+                err = cand.get("max_abs_error")
+                lines.append(
+                    f"    {cand.get('backend')}: "
+                    f"{'-' if speedup is None else f'{speedup:.2f}x'}, "
+                    f"max err {'-' if err is None else f'{err:.1e}'}, "
+                    f"build {'-' if build is None else f'{build:.1f} s'}"
+                )
+    return "\n".join(lines)
+
+
+def _fact(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _printer(out: Any) -> Callable[[str], None]:
+    def say(text: str) -> None:
+        print(text, file=out, flush=True)
+
+    return say
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{state} {n}" for state, n in sorted(counts.items()))
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _parse_call_kwargs(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--call-kwargs is not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise UsageError("--call-kwargs must be a JSON object, e.g. '{\"guidance_scale\": 4.5}'")
+    return value
+
+
+@contextlib.contextmanager
+def _process_settings() -> Iterator[None]:
+    """Hide the libraries' loading bars and info chatter (errors still show) and put back the torch thread count
+    and those settings afterwards, so that `main()` called in-process leaves the process as it found it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    restore: list[Callable[[], None]] = []
+    for package in ("diffusers.utils.logging", "transformers.utils.logging"):
+        try:
+            hf_logging = importlib.import_module(package)
+        except ImportError:
+            continue
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        restore.append(functools.partial(hf_logging.set_verbosity, verbosity))
+        if bars:
+            restore.append(hf_logging.enable_progress_bar)
+    try:
+        yield
+    finally:
+        for undo in restore:
+            undo()
+        torch.set_num_threads(threads)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _add_tuning_options(parser: argparse.ArgumentParser, rounds: int) -> None:
+    parser.add_argument(
+        "--targets",
+        default="blocks",
+        help="'blocks' (default), 'components', or comma-separated dotted module names (e.g. unet.mid_block)",
+    )
+    parser.add_argument(
+        "--backends", default=DEFAULT_BACKENDS, help=f"comma-separated candidate backends (default {DEFAULT_BACKENDS})"
+    )
+    parser.add_argument("--strategy", choices=("min_latency", "first_wins"), help="how a backend is chosen")
+    parser.add_argument("--min-speedup", type=float, help="ratio a candidate must beat eager by (default 1.05)")
+    parser.add_argument("--repeats", type=_positive, help="timed rounds per candidate (default 15)")
+    parser.add_argument("--warmup", type=int, help="untimed runs per candidate before timing (default 2)")
+    parser.add_argument(
+        "--rounds",
+        type=_positive,
+        default=rounds,
+        help=f"interleaved eager/tuned whole-call rounds for the end-to-end measurement (default {rounds})",
+    )
+    parser.add_argument("--threads", type=_positive, default=1, help="torch.set_num_threads(N) (default 1)")
+    parser.add_argument("--details", action="store_true", help="also print every candidate per target")
+    parser.add_argument("--no-progress", action="store_true", help="hide the tuning progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="aitune-hf",
+        description="Per-block backend tuning for Hugging Face Diffusers and Transformers inference.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    demo = sub.add_parser(
+        "demo", help="build a small random pipeline, tune it, measure it, check it", description=cmd_demo.__doc__
+    )
+    demo.add_argument("--family", choices=DEMO_FAMILIES, default="sd", help="what to build (default sd)")
+    demo.add_argument("--size", choices=SIZES, default="small", help="tiny: seconds; small: realistic (default)")
+    demo.add_argument("--json", metavar="PATH", help="write the report and the demo's facts as JSON")
+    _add_tuning_options(demo, rounds=5)
+    demo.set_defaults(func=cmd_demo)
+
+    tune = sub.add_parser("tune", help="tune a local Diffusers pipeline or Transformers model folder")
+    tune.add_argument("folder", help="a folder with model_index.json (Diffusers) or config.json (Transformers)")
+    tune.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt for a Diffusers pipeline")
+    tune.add_argument("--steps", type=_positive, default=4, help="num_inference_steps (default 4)")
+    tune.add_argument("--height", type=_positive, help="image height (default: the pipeline's)")
+    tune.add_argument("--width", type=_positive, help="image width (default: the pipeline's)")
+    tune.add_argument("--seed", type=int, default=0, help="generator seed of the checked calls (default 0)")
+    tune.add_argument(
+        "--call-kwargs", metavar="JSON", help="more pipeline call arguments, e.g. '{\"guidance_scale\": 4}'"
+    )
+    tune.add_argument(
+        "--text", action="append", metavar="SENTENCE", help="input sentence for a Transformers model (repeatable)"
+    )
+    tune.add_argument("--report", default="aitune_report.json", metavar="PATH", help="where the JSON report goes")
+    _add_tuning_options(tune, rounds=3)
+    tune.set_defaults(func=cmd_tune)
+
+    report = sub.add_parser("report", help="print a saved report JSON as a table")
+    report.add_argument("path", help="a JSON file written by `aitune-hf demo --json` / `tune --report` / to_json()")
+    report.add_argument("--details", action="store_true", help="also print every candidate per target")
+    report.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, *, stdout: Any = None, stderr: Any = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 check failed, 2 usage error)."""
+    out = stdout or sys.stdout
+    err = stderr or sys.stderr
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    debug = args.debug or os.environ.get("AITUNE_HF_DEBUG") == "1"
+    try:
+        with _process_settings():
+            return args.func(args, out)
+    except KeyboardInterrupt:
+        print("aitune-hf: interrupted", file=err)
+        return 130
+    except BrokenPipeError:  # `aitune-hf report x.json | head`: the reader left; nothing to say
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the interpreter's final flush quiet
+        return EXIT_OK
+    except USER_ERRORS as error:
+        if debug:
+            raise
+        print(f"aitune-hf: error: {_first_line(error)}", file=err)
+        return EXIT_USAGE

@@ -1,0 +1,154 @@
+"""The aitune-hf command line, run in process: demo (tiny SD, onnxruntime only), report, and one-line errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+pytest.importorskip("onnxruntime")
+
+from aitune_hf import testing  # noqa: E402
+from aitune_hf.cli import main  # noqa: E402
+
+QUICK = ["--repeats", "3", "--warmup", "1", "--rounds", "2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path, int]:
+    """One tiny demo run: (exit code, stdout, the --json path, torch threads before it)."""
+    path = tmp_path_factory.mktemp("cli") / "report.json"
+    out = io.StringIO()
+    threads = torch.get_num_threads()
+    argv = ["demo", "--family", "sd", "--size", "tiny", "--backends", "onnxruntime", *QUICK, "--json", str(path)]
+    code = main(argv, stdout=out)
+    return code, out.getvalue(), path, threads
+
+
+@pytest.fixture(scope="module")
+def sd_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return testing.build_pipeline("sd", tmp_path_factory.mktemp("sd_tiny"), size="tiny")
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, f"expected one line, got {lines}"
+    assert "Traceback" not in text
+    return lines[0]
+
+
+def test_demo_tunes_checks_and_reports(demo) -> None:
+    code, out, _, _ = demo
+    assert code == 0, out
+    assert "torch.set_num_threads(1)" in out
+    assert "intra_op_num_threads=1" in out
+    assert "end to end" in out
+    assert "onnxruntime" in out
+    assert "PASS" in out and "FAIL" not in out
+    assert "tuning:" in out
+
+
+def test_demo_leaves_the_thread_count_as_it_was(demo) -> None:
+    assert torch.get_num_threads() == demo[3]
+
+
+def test_demo_json_has_report_and_facts(demo) -> None:
+    _, _, path, _ = demo
+    data = json.loads(path.read_text())
+    assert data["modules"] and data["end_to_end"]["speedup"] > 0
+    assert "unet.mid_block" in data["modules"]
+    assert data["family"] == "sd" and data["size"] == "tiny" and data["threads"] == 1
+    assert data["max_abs_diff"] <= 1e-3 and data["passed"] is True
+
+
+def test_report_prints_the_saved_json(demo, capsys: pytest.CaptureFixture[str]) -> None:
+    _, _, path, _ = demo
+    assert main(["report", str(path), "--details"]) == 0
+    out = capsys.readouterr().out
+    assert "end to end" in out
+    assert "unet.mid_block" in out and "CrossAttnDownBlock2D" in out
+    assert "family: sd" in out
+    assert "onnxruntime:" in out  # a candidate line from --details
+
+
+def test_report_round_trips_the_table(demo, capsys: pytest.CaptureFixture[str]) -> None:
+    from aitune_hf import TuningReport
+
+    _, _, path, _ = demo
+    data = json.loads(path.read_text())
+    rebuilt = TuningReport.from_dict(data)
+    assert json.loads(rebuilt.to_json()) == {k: data[k] for k in ("end_to_end", "tuning_seconds", "modules")}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["tune", "/nonexistent/aitune_hf_folder"], "no such folder"),
+        (["demo", "--size", "tiny", "--backends", "onnxruntime,nosuch"], "unknown backend 'nosuch'"),
+        (["report", "/nonexistent/report.json"], "no such file"),
+        (["demo", "--family", "nope"], "invalid choice"),
+        (["demo", "--threads", "0"], "expected a number >= 1"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_errors_are_one_line_and_exit_2(argv, message, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert message in one_line(captured.err)
+    assert captured.out == ""
+
+
+def test_folder_that_is_not_a_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert main(["tune", str(tmp_path)]) == 2
+    assert "neither a Diffusers pipeline" in one_line(capsys.readouterr().err)
+
+
+def test_not_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a.json").write_text('{"hello": 1}')
+    (tmp_path / "b.json").write_text("{not json")
+    assert main(["report", str(tmp_path / "a.json")]) == 2
+    assert "not an aitune_hf report" in one_line(capsys.readouterr().err)
+    assert main(["report", str(tmp_path / "b.json")]) == 2
+    assert "is not JSON" in one_line(capsys.readouterr().err)
+
+
+def test_unknown_target_mode(sd_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = tmp_path / "r.json"
+    argv = ["tune", str(sd_folder), "--steps", "2", "--targets", "stages", "--backends", "onnxruntime"]
+    assert main([*argv, *QUICK, "--report", str(report)]) == 2
+    assert "unknown targets 'stages'" in one_line(capsys.readouterr().err)
+    assert not report.exists()
+
+
+def test_unknown_dotted_target(sd_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["tune", str(sd_folder), "--steps", "2", "--targets", "unet.mid_blok", "--backends", "onnxruntime"]
+    assert main([*argv, *QUICK]) == 2
+    assert "Did you mean 'unet.mid_block'" in one_line(capsys.readouterr().err)
+
+
+def test_tune_one_named_target_writes_the_report(sd_folder: Path, tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    out = io.StringIO()
+    argv = ["tune", str(sd_folder), "--steps", "2", "--height", "64", "--width", "64"]
+    argv += ["--targets", "unet.mid_block", "--backends", "onnxruntime", "--min-speedup", "0"]
+    assert main([*argv, *QUICK, "--report", str(report)], stdout=out) == 0, out.getvalue()
+    data = json.loads(report.read_text())
+    assert list(data["modules"]) == ["unet.mid_block"]
+    assert data["modules"]["unet.mid_block"]["state"] == "tuned"
+    assert data["kind"] == "diffusers" and data["passed"] is True
+    assert "PASS" in out.getvalue()
+
+
+def test_python_dash_m_runs_the_same_cli() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "aitune_hf", "--help"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "demo" in result.stdout and "tune" in result.stdout and "report" in result.stdout
