@@ -89,6 +89,8 @@ def test_sequential_offload_keeps_blocks_eager_with_the_reason(pipeline_folders)
         np.testing.assert_allclose(out, expected, atol=1e-5)
     pipe.disable_aitune()
     assert unpatched(pipe.unet.modules())
+    np.testing.assert_allclose(run(pipe, "sd"), expected, atol=1e-5)  # the leaf hooks still work
+    assert any(hasattr(m, "_hf_hook") for m in pipe.unet.down_blocks[0].modules())
 
 
 def test_group_offload_block_level(pipeline_folders) -> None:
