@@ -103,6 +103,8 @@ class Registration:
         self._progress: Any = None
         self._detached = False
         self._paused = 0
+        #: Reports of targets that `descend()` replaced by targets inside them, by name.
+        self.descended: dict[str, ModuleReport] = {}
         #: End-to-end timings measured by the caller (the Hugging Face layer times whole pipeline calls).
         self.end_to_end: dict[str, Any] | None = None
         self._install_all()
@@ -148,9 +150,15 @@ class Registration:
                 )
 
     def _install_all(self) -> None:
+        self._install(list(self._targets.values()))
+        logger.info("registered %d target(s): %s", len(self._targets), ", ".join(self._targets))
+
+    @staticmethod
+    def _install(targets: list[Target]) -> None:
+        """Install every target or none."""
         installed: list[Target] = []
         try:
-            for target in self._targets.values():
+            for target in targets:
                 target.install()
                 installed.append(target)
                 _HELD[target.module] = target
@@ -159,7 +167,42 @@ class Registration:
                 target.uninstall()
                 _HELD.pop(target.module, None)
             raise
-        logger.info("registered %d target(s): %s", len(self._targets), ", ".join(self._targets))
+
+    def descend(self, name: str, children: Mapping[str, torch.nn.Module]) -> list[Target]:
+        """Replace target `name` by new targets for modules inside it (all or nothing).
+
+        For a target that did not win as a whole: its children are tried instead. The old target is detached
+        and its last report kept in `descended`; the new targets start RECORDING in its place, in order.
+        """
+        if self._detached:
+            raise RuntimeError("descend() after detach(): register the modules again")
+        if name not in self._targets:
+            raise ValueError(f"no target named {name!r}; targets: {', '.join(self._targets)}")
+        parent = self._targets[name]
+        new_modules = _collect(dict(children))
+        inside = {id(m) for m in parent.module.modules() if m is not parent.module}
+        for child_name, module in new_modules.items():
+            if id(module) not in inside:
+                raise ValueError(f"{child_name!r} is not inside {name!r}; descend() takes modules inside the target")
+            if child_name in self._targets:
+                raise ValueError(f"a target named {child_name!r} exists already")
+        report = parent.report()
+        parent.uninstall()
+        del _HELD[parent.module]
+        new_targets = {child_name: Target(child_name, module, self) for child_name, module in new_modules.items()}
+        try:
+            self._check_free(new_modules)
+            self._check_not_nested(new_modules)
+            self._install(list(new_targets.values()))
+        except BaseException:  # all or nothing: the parent goes back, as it was
+            parent.install()
+            parent.state = TargetState.RECORDING
+            _HELD[parent.module] = parent
+            raise
+        self.descended[name] = report
+        self._targets = _splice(self._targets, name, new_targets)
+        self._modules = _splice(self._modules, name, new_modules)
+        return list(new_targets.values())
 
     # -- public API ---------------------------------------------------------------------------------
     @property
@@ -224,7 +267,8 @@ class Registration:
         return TuningReport(
             modules=reports,
             end_to_end=dict(self.end_to_end) if self.end_to_end else None,
-            tuning_seconds=sum(r.tuning_seconds for r in reports.values()),
+            tuning_seconds=sum(r.tuning_seconds for r in [*reports.values(), *self.descended.values()]),
+            descended=dict(self.descended),
         )
 
     def detach(self) -> None:
@@ -273,3 +317,14 @@ class Registration:
         if self._progress is not None:
             self._progress.close()
             self._progress = None
+
+
+def _splice(table: dict[str, Any], name: str, replacement: dict[str, Any]) -> dict[str, Any]:
+    """`table` with the entry `name` replaced by the entries of `replacement`, in place of it."""
+    spliced: dict[str, Any] = {}
+    for key, value in table.items():
+        if key == name:
+            spliced.update(replacement)
+        else:
+            spliced[key] = value
+    return spliced

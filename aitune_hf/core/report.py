@@ -110,6 +110,7 @@ class TuningReport:
     modules: dict[str, ModuleReport]
     end_to_end: dict[str, float] | None = None  # eager_s, tuned_s, speedup (measured by the caller)
     tuning_seconds: float = 0.0
+    descended: dict[str, ModuleReport] = field(default_factory=dict)  # replaced by targets inside them
 
     COLUMNS = ("target", "class", "state", "backend", "eager ms", "tuned ms", "speed-up", "max err", "note")
 
@@ -145,6 +146,8 @@ class TuningReport:
             f"targets: {len(self.modules)} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); "
             f"tuning {self.tuning_seconds:.1f} s"
         ]
+        for name, report in self.descended.items():
+            lines.append(f"descended into {name} ({report.module_class}): as a whole it stayed eager: {report.reason}")
         if self.end_to_end:
             e2e = self.end_to_end
             lines.insert(
@@ -180,6 +183,7 @@ class TuningReport:
             "end_to_end": self.end_to_end,
             "tuning_seconds": self.tuning_seconds,
             "modules": {name: report.to_dict() for name, report in self.modules.items()},
+            "descended": {name: report.to_dict() for name, report in self.descended.items()},
         }
 
     @classmethod
@@ -194,14 +198,29 @@ class TuningReport:
             names = {f.name for f in fields(kind)} - set(nested)
             return kind(**{k: v for k, v in raw.items() if k in names}, **nested)
 
-        modules = {}
-        for name, raw in data["modules"].items():
+        def module(raw: Any) -> ModuleReport:
             signatures = [
                 build(SignatureReport, sig, candidates=[build(CandidateResult, c) for c in sig.get("candidates") or []])
                 for sig in (raw.get("signatures") or [] if isinstance(raw, dict) else [])
             ]
-            modules[name] = build(ModuleReport, raw, signatures=signatures)
-        return cls(modules, end_to_end=data.get("end_to_end"), tuning_seconds=data.get("tuning_seconds") or 0.0)
+            return build(ModuleReport, raw, signatures=signatures)
+
+        return cls(
+            {name: module(raw) for name, raw in data["modules"].items()},
+            end_to_end=data.get("end_to_end"),
+            tuning_seconds=data.get("tuning_seconds") or 0.0,
+            descended={name: module(raw) for name, raw in (data.get("descended") or {}).items()},
+        )
+
+    def plot(self, ax: Any = None, **kwargs: Any) -> Any:
+        """Per-target and end-to-end latency, eager vs tuned, as a matplotlib Figure (needs matplotlib).
+
+        `ax`: None (a new Figure), a pair of Axes (per-target, end-to-end) or one Axes (per-target only);
+        `title`, `figsize`, `log_scale` as in `aitune_hf.plotting.plot_report`.
+        """
+        from aitune_hf.plotting import plot_report  # imports matplotlib lazily
+
+        return plot_report(self, ax, **kwargs)
 
     def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
         """The report as JSON (non-finite numbers become null); written to `path` when given."""

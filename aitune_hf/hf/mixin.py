@@ -18,6 +18,7 @@ from aitune_hf.backends.base import Backend
 from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.registration import Registration, register
 from aitune_hf.core.strategy import Strategy
+from aitune_hf.core.target import TargetState
 from aitune_hf.hf.hooks import install_slot_locators, weight_motion
 from aitune_hf.hf.targets import FoundTarget, TargetSelection, as_modules, find_targets
 
@@ -36,6 +37,8 @@ class _AITuneState:
     eager_seconds: list[float] = field(default_factory=list)
     tuned_seconds: list[float] = field(default_factory=list)
     measured: bool = False  # end_to_end came from measure_aitune (interleaved), not from plain calls
+    auto: bool = False  # targets="auto": whole components first, blocks of those that stay eager
+    rearm_at: int | None = None  # arm again after this many whole calls (the blocks of "auto" mode)
 
 
 class AITuneMixin:
@@ -55,6 +58,7 @@ class AITuneMixin:
         strategy: str | Strategy | None = None,
         config: TuningConfig | Mapping[str, Any] | None = None,
         tune_after_calls: int | None = 1,
+        component_backends: Sequence[str] = ("onnxruntime",),
         **config_fields: Any,
     ) -> Registration:
         """Find the targets, register them with the tuning core, and return the Registration.
@@ -62,13 +66,22 @@ class AITuneMixin:
         Call it after placement and offload are set up. Args: `targets` is "blocks", "components", a list of
         dotted names or a callable; `backends`/`strategy`/other `TuningConfig` fields override `config`;
         `tune_after_calls` arms tuning after that many whole calls (None: call `self.aitune.tune()` yourself).
+
+        `targets="auto"` tunes whole components first, with `component_backends` only (exports are quick;
+        whole-component compiles are not); each component that stays eager is then replaced by its blocks,
+        which record in the next call and tune, with every backend, in the call after.
         """
         if self.aitune is not None:
             raise RuntimeError("aitune is already enabled here; call disable_aitune() first to change its settings")
         if tune_after_calls is not None and tune_after_calls < 1:
             raise ValueError(f"tune_after_calls must be >= 1 or None, got {tune_after_calls}")
         options = dict(
-            targets=targets, backends=backends, strategy=strategy, config=config, tune_after_calls=tune_after_calls
+            targets=targets,
+            backends=backends,
+            strategy=strategy,
+            config=config,
+            tune_after_calls=tune_after_calls,
+            component_backends=component_backends,
         )
         options.update(config_fields)
         base = TuningConfig.coerce(config)
@@ -76,10 +89,16 @@ class AITuneMixin:
         overrides.update(config_fields)
         tuning_config = TuningConfig.coerce({**_fields(base), **overrides}) if overrides else base
         install_slot_locators()
-        found = find_targets(self, targets)
+        auto = targets == "auto"
+        found = find_targets(self, "components" if auto else targets)
         registration = register(as_modules(found), tuning_config)
         _apply_weight_motion(registration, found)
-        self.__dict__["_aitune_state"] = _AITuneState(registration, options, found, tune_after_calls)
+        if auto:
+            allowed = set(component_backends)
+            reason = f"auto mode tries whole components with {', '.join(sorted(allowed))} only"
+            for target in registration.targets.values():
+                target.restrict(lambda backend: backend.name in allowed, reason)
+        self.__dict__["_aitune_state"] = _AITuneState(registration, options, found, tune_after_calls, auto=auto)
         logger.info("aitune enabled on %s: %d target(s)", type(self).__name__, len(found))
         return registration
 
@@ -137,9 +156,29 @@ class AITuneMixin:
                 n_eager, n_tuned = len(state.eager_seconds), len(state.tuned_seconds)
                 method = f"whole calls: {n_eager} before tuning (recording), {n_tuned} after; medians"
                 _record_end_to_end(state, state.eager_seconds, state.tuned_seconds, method)
-        if state.tune_after_calls is not None and state.calls == state.tune_after_calls:
+        if state.auto and state.rearm_at is None and registration.all_tuned:
+            self._aitune_descend(state)
+        if state.calls in (state.tune_after_calls, state.rearm_at):
             registration.tune()
         return output
+
+    def _aitune_descend(self, state: _AITuneState) -> None:
+        """Auto mode: replace each component that stayed eager by its blocks; they tune after the next call."""
+        registration = state.registration
+        blocks = find_targets(self, "blocks")
+        new_found = []
+        for component in list(state.found):
+            target = registration.targets[component.name]
+            inside = [b for b in blocks if any(b.module is m for m in component.module.modules())]
+            if target.state is not TargetState.EAGER or not inside:
+                new_found.append(component)
+                continue
+            logger.info("auto: %s stayed eager as a whole; descending into %d block(s)", component.name, len(inside))
+            registration.descend(component.name, as_modules(inside))
+            _apply_weight_motion(registration, inside)
+            new_found += inside
+        state.found = new_found
+        state.rearm_at = state.calls + 1 if state.tune_after_calls is not None else -1
 
     def _aitune_needs_eager(self, kwargs: dict[str, Any]) -> bool:
         """Calls that capture outputs from inside blocks (attention weights) must run every block eager."""

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 TargetSelection = str | Sequence[str] | Callable[[Any], Any]
-MODES = ("blocks", "components")
+MODES = ("blocks", "components", "auto")
 #: The name of a bare model registered whole (targets="components" on a model, not a pipeline).
 BARE_MODEL_NAME = "model"
 
@@ -90,7 +90,8 @@ def component_paths(name: str, component: nn.Module) -> list[str]:
 
 
 def find_targets(obj: Any, targets: TargetSelection = "blocks") -> list[FoundTarget]:
-    """Resolve a target selection on a pipeline or model into concrete modules.
+    """Resolve a target selection on a pipeline or model into concrete modules ("auto" starts as "components";
+    `enable_aitune` then descends into the blocks of components that stay eager).
 
     Raises:
         ValueError: an unknown mode string, a name that does not resolve, an empty selection.
@@ -100,7 +101,7 @@ def find_targets(obj: Any, targets: TargetSelection = "blocks") -> list[FoundTar
     if isinstance(targets, str):
         if targets not in MODES:
             raise ValueError(
-                f"unknown targets {targets!r}; valid: 'blocks', 'components', a list of dotted module names "
+                f"unknown targets {targets!r}; valid: 'blocks', 'components', 'auto', a list of dotted module names "
                 f"(e.g. {_examples(components)}), or a callable"
             )
         rule = block_paths if targets == "blocks" else None

@@ -204,3 +204,27 @@ def test_context_manager_detaches() -> None:
     with register([a], MANUAL) as reg:
         assert "forward" in a.__dict__
     assert reg.detached and _unpatched(a)
+
+
+def test_descend_replaces_a_target_by_targets_inside_it() -> None:
+    outer, other = Parent().eval(), MLPBlock().eval()
+    x = torch.randn(2, 32)
+    expected = outer(x)
+    with register({"outer": outer, "other": other}, MANUAL) as reg:
+        outer(x)
+        with pytest.raises(ValueError, match="'stray' is not inside 'outer'"):
+            reg.descend("outer", {"stray": MLPBlock()})
+        with pytest.raises(ValueError, match="a target named 'other' exists already"):
+            reg.descend("outer", {"other": outer.first})
+        with pytest.raises(ValueError, match="no target named 'nope'"):
+            reg.descend("nope", {})
+        assert "forward" in outer.__dict__  # failed descents changed nothing
+        new = reg.descend("outer", {"outer.first": outer.first, "outer.second": outer.second})
+        assert [t.name for t in new] == ["outer.first", "outer.second"]
+        assert list(reg.targets) == ["outer.first", "outer.second", "other"]
+        assert "forward" not in outer.__dict__ and "forward" in outer.first.__dict__
+        assert reg.descended["outer"].module_class == "Parent"
+        torch.testing.assert_close(outer(x), expected, rtol=0, atol=0)
+        assert reg.targets["outer.first"].calls_recorded == 1
+        assert "descended into outer (Parent)" in str(reg.report())
+    assert _unpatched(outer.first, outer.second, other)

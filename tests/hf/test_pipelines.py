@@ -150,3 +150,27 @@ def test_replacing_a_component_registers_the_new_one(pipeline_folders) -> None:
     assert pipe.aitune.targets["unet.mid_block"].calls_recorded == steps  # one UNet call per step
     pipe.disable_aitune()
     assert unpatched(new_unet.modules())
+
+
+def test_auto_tunes_components_then_descends_into_those_that_stay_eager(pipeline_folders) -> None:
+    pipe = _load(pipeline_folders["sd"])
+    expected = run(pipe, "sd")
+    registration = pipe.enable_aitune("auto", **ORT)
+    assert list(registration.targets) == ["vae.decoder", "text_encoder", "unet"]
+    outputs = [run(pipe, "sd") for _ in range(2)]  # record, tune the components
+    # The whole UNet's ONNX graph fails in ONNX Runtime here (see docs): it stays eager, so its stages replace it.
+    assert "unet" in registration.descended and "unet" not in registration.targets
+    assert [n for n in registration.targets if n.startswith("unet.")] == [
+        "unet.down_blocks.0", "unet.down_blocks.1", "unet.mid_block", "unet.up_blocks.0", "unet.up_blocks.1",
+    ]  # fmt: skip
+    outputs += [run(pipe, "sd") for _ in range(3)]  # record the stages, tune them, tuned
+    assert registration.all_tuned, registration.report()
+    assert registration.targets["unet.mid_block"].state is TargetState.TUNED
+    assert registration.targets["text_encoder"].report().backend == "onnxruntime"
+    unet = registration.descended["unet"].signatures[0].candidates
+    assert [c.backend for c in unet] == ["onnxruntime"] and unet[0].error
+    for out in outputs:
+        np.testing.assert_allclose(out, expected, atol=2e-3)
+    assert "descended into unet" in str(registration.report())
+    pipe.disable_aitune()
+    assert unpatched(pipe.unet.modules()) and unpatched(pipe.vae.modules())
