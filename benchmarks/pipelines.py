@@ -54,7 +54,6 @@ class Workload:
     describe: str
     make: Callable[[], Any]
     call: Callable[[Any], np.ndarray]
-    manual_arming: bool = False  # the call does not go through __call__ (vae.decode): arm tuning by hand
 
 
 def _pipeline_workload(family: str, folder: Path) -> Workload:
@@ -101,7 +100,7 @@ def _vae_workload(folder: Path) -> Workload:
         with torch.inference_mode():
             return vae.decode(latents).sample.numpy()
 
-    return Workload("vae_decode", "SD small VAE decode, latent 1x4x32x32 -> 128x128", make, call, manual_arming=True)
+    return Workload("vae_decode", "SD small VAE decode, latent 1x4x32x32 -> 128x128", make, call)
 
 
 def build_workloads(names: list[str], folder: Path) -> list[Workload]:
@@ -165,11 +164,14 @@ class Method:
 def _aitune(targets: str, **options: Any) -> Callable[[Any, Workload], str]:
     def prepare(obj: Any, workload: Workload) -> str:
         registration = obj.enable_aitune(targets, tune_after_calls=None, **options)
-        workload.call(obj)  # record
-        for _ in range(3):  # tune inside the call's own flow; a target that did not run tunes in the next
-            registration.tune()
-            workload.call(obj)
-            if registration.all_tuned:
+        for _ in range(2 if targets == "auto" else 1):  # auto: components first, then blocks where needed
+            workload.call(obj)  # record
+            for _ in range(3):  # tune inside the call's own flow; a target that did not run tunes in the next
+                registration.tune()
+                workload.call(obj)
+                if registration.all_tuned:
+                    break
+            if not registration.descended:
                 break
         counts = ", ".join(f"{k} {v}" for k, v in sorted(registration.state_counts.items()))
         chosen: dict[str, int] = {}
@@ -200,6 +202,7 @@ METHODS = {
         calls_in_prepare=2,
     ),
     "aitune_blocks": Method("aitune_blocks", _aitune("blocks", progress=False), calls_in_prepare=2),
+    "aitune_auto": Method("aitune_auto", _aitune("auto", progress=False), calls_in_prepare=4),
 }
 
 
@@ -300,16 +303,19 @@ def _median_call(workload: Workload, obj: Any, n: int) -> float:
 
 
 def _verdicts(name: str, results: dict[str, MethodResult]) -> list[str]:
-    ours = results.get("aitune_blocks")
-    if ours is None or ours.speedup is None:
-        return ["aitune_blocks: no measurement"]
-    lines = []
+    candidates = {k: v for k, v in results.items() if k.startswith("aitune") and v.speedup is not None}
+    if not candidates:
+        return ["aitune_hf: no measurement"]
+    best_ours, ours = max(candidates.items(), key=lambda kv: kv[1].speedup or 0.0)
+    lines = [f"aitune_hf's best mode here: {best_ours}"]
     family = name.split("_")[0]
     if family in TARGETS:
         goal = TARGETS[family]
         verdict = "MET" if ours.speedup >= goal else "NOT MET"
         lines.append(f"{verdict}: aitune_hf {ours.speedup:.2f}x vs goal {goal:.2f}x")
-    baselines = {k: v for k, v in results.items() if k not in ("eager", "aitune_blocks") and v.speedup is not None}
+    baselines = {
+        k: v for k, v in results.items() if k != "eager" and not k.startswith("aitune") and v.speedup is not None
+    }
     if baselines:
         best_name, best = max(baselines.items(), key=lambda kv: kv[1].speedup or 0.0)
         ok = ours.speedup >= best.speedup * BASELINE_MARGIN
