@@ -159,12 +159,14 @@ class TuningReport:
 
     def __str__(self) -> str:
         rows = [list(self.COLUMNS), *self.rows()]
-        widths = [min(max(len(r[i]) for r in rows), 60) for i in range(len(self.COLUMNS))]
+        # Every column but the last is capped; the note (last) is printed whole.
+        widths = [min(max(len(r[i]) for r in rows), 60) for i in range(len(self.COLUMNS) - 1)] + [0]
         lines = list(self.summary_lines())
         for index, row in enumerate(rows):
-            lines.append("  ".join(cell[:60].ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+            cells = [cell[:w].ljust(w) for cell, w in zip(row[:-1], widths, strict=False)] + [row[-1]]
+            lines.append("  ".join(cells).rstrip())
             if index == 0:
-                lines.append("  ".join("-" * w for w in widths))
+                lines.append("  ".join("-" * w for w in [*widths[:-1], len(self.COLUMNS[-1])]))
         return "\n".join(lines)
 
     def __repr__(self) -> str:

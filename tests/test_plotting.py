@@ -1,0 +1,192 @@
+"""TuningReport.plot(): per-target eager vs tuned bars and the end-to-end panel, on hand-made and real reports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("matplotlib", reason="TuningReport.plot() needs matplotlib (pip install aitune-hf[notebooks])")
+
+from matplotlib.container import BarContainer
+from matplotlib.figure import Figure
+
+from aitune_hf import TuningReport, register
+from tests.core.modules import ManyOpsBlock, MLPBlock
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _signature(eager: float | None, chosen: str = "eager", tuned: float | None = None, **extra: object) -> dict:
+    candidates = [] if tuned is None else [{"backend": "onnxruntime", "latency_s": tuned, "max_abs_error": 1e-6}]
+    return {"signature": "x: f32[2, 8]", "samples": 1, "chosen": chosen, "eager_latency_s": eager,
+            "candidates": candidates, **extra}  # fmt: skip
+
+
+def _report_dict(end_to_end: bool = True) -> dict:
+    """Four targets: tuned (2x), eager kept, still recording (no timings), tuned over two signatures."""
+    return {
+        "end_to_end": {"eager_s": 0.9, "tuned_s": 0.6, "speedup": 1.5, "method": "interleaved whole calls, 3 rounds"}
+        if end_to_end
+        else None,
+        "tuning_seconds": 12.5,
+        "modules": {
+            "unet.down_blocks.0": {"name": "unet.down_blocks.0", "module_class": "CrossAttnDownBlock2D",
+                                   "state": "tuned", "signatures": [_signature(0.004, "onnxruntime", 0.002)]},
+            "unet.mid_block": {"name": "unet.mid_block", "module_class": "UNetMidBlock2DCrossAttn", "state": "eager",
+                               "reason": "nothing was faster: best onnxruntime at 0.98x (needs 1.05x)",
+                               "signatures": [_signature(0.003, "eager", 0.00306)]},
+            "unet.up_blocks.0": {"name": "unet.up_blocks.0", "module_class": "UpBlock2D", "state": "recording",
+                                 "signatures": []},
+            "text_encoder.encoder.layers.0": {
+                "name": "text_encoder.encoder.layers.0", "module_class": "CLIPEncoderLayer", "state": "tuned",
+                "signatures": [_signature(0.0001, "onnxruntime", 5e-5), _signature(0.00015, "onnxruntime", 5e-5)]},
+        },
+    }  # fmt: skip
+
+
+def _bars(ax) -> dict[str, BarContainer]:
+    return {c.get_label(): c for c in ax.containers if isinstance(c, BarContainer)}
+
+
+def _texts(ax) -> list[str]:
+    return [t.get_text() for t in ax.texts]
+
+
+def test_hand_made_report_draws_one_bar_pair_per_timed_target(tmp_path) -> None:
+    report = TuningReport.from_dict(_report_dict())
+    fig = report.plot()
+    assert isinstance(fig, Figure) and len(fig.axes) == 2
+    targets_ax, e2e_ax = fig.axes
+
+    timed = ["unet.down_blocks.0", "unet.mid_block", "text_encoder.encoder.layers.0"]  # recording one skipped
+    bars = _bars(targets_ax)
+    assert set(bars) == {"eager", "tuned"}
+    assert len(bars["eager"]) == len(bars["tuned"]) == len(timed)
+    assert [label.get_text() for label in targets_ax.get_yticklabels()] == timed
+    eager_ms = [bar.get_width() for bar in bars["eager"]]
+    tuned_ms = [bar.get_width() for bar in bars["tuned"]]
+    assert eager_ms == pytest.approx([4.0, 3.0, 0.25]) and tuned_ms == pytest.approx([2.0, 3.0, 0.1])  # eager kept: 3.0
+
+    notes = _texts(targets_ax)
+    assert "2.00x  onnxruntime" in notes and "2.50x  onnxruntime" in notes
+    assert any(n.startswith("EAGER kept: nothing was faster") for n in notes), notes
+    assert "1 target(s) without timings not shown" in targets_ax.get_xlabel()
+    assert "block latency" in targets_ax.get_xlabel()
+    assert [t.get_text() for t in targets_ax.get_legend().get_texts()][-1] == "EAGER kept"
+    assert fig.get_suptitle().startswith("aitune_hf: 4 targets (eager 1, recording 1, tuned 2); tuning 12.5 s")
+
+    assert e2e_ax.get_title() == "end to end: 1.50x"
+    e2e = _bars(e2e_ax)["end to end"]
+    assert [bar.get_height() for bar in e2e] == pytest.approx([900.0, 600.0])
+    assert [t.get_text() for t in e2e_ax.get_xticklabels()] == ["eager", "tuned"]
+    assert "interleaved whole calls" in e2e_ax.get_xlabel()
+
+    assert fig._repr_png_().startswith(PNG_MAGIC)  # Jupyter shows it even without %matplotlib inline
+    path = tmp_path / "report.png"
+    fig.savefig(path, dpi=80)
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_end_to_end_not_measured_and_linear_scale(tmp_path) -> None:
+    fig = TuningReport.from_dict(_report_dict(end_to_end=False)).plot(log_scale=False, title="custom title")
+    targets_ax, e2e_ax = fig.axes
+    assert targets_ax.get_xscale() == "linear"
+    assert any("not measured" in text for text in _texts(e2e_ax))
+    assert not _bars(e2e_ax)
+    assert fig.get_suptitle() == "custom title"
+    fig.savefig(tmp_path / "report.png")
+    assert (tmp_path / "report.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_descended_targets_are_named() -> None:
+    data = _report_dict()
+    data["descended"] = {"vae.decoder": {"name": "vae.decoder", "module_class": "Decoder", "state": "eager",
+                                         "reason": "nothing was faster", "signatures": []}}  # fmt: skip
+    fig = TuningReport.from_dict(data).plot()
+    assert "descended into the blocks of: vae.decoder" in fig.axes[0].get_xlabel()
+    assert len(_bars(fig.axes[0])["eager"]) == 3
+
+
+def test_log_scale_when_latencies_span_decades() -> None:
+    fig = TuningReport.from_dict(_report_dict()).plot()  # 0.1 ms .. 4 ms: 40x apart
+    assert fig.axes[0].get_xscale() == "log"
+    assert "log scale" in fig.axes[0].get_xlabel()
+
+
+def test_draws_into_given_axes() -> None:
+    fig = Figure()
+    pair = fig.subplots(1, 2)
+    report = TuningReport.from_dict(_report_dict())
+    assert report.plot(ax=pair) is fig
+    assert len(_bars(pair[0])["tuned"]) == 3 and len(_bars(pair[1])["end to end"]) == 2
+
+    single = Figure().subplots()
+    assert report.plot(ax=single) is single.figure
+    assert len(_bars(single)["eager"]) == 3 and len(single.figure.axes) == 1
+    assert fig.get_suptitle() == single.figure.get_suptitle() == ""  # the caller's figures keep their titles
+    report.plot(ax=pair, title="mine")
+    assert fig.get_suptitle() == "mine"
+
+    with pytest.raises(TypeError, match="pair"):
+        report.plot(ax=[single])
+
+
+def test_no_timings_yet() -> None:
+    data = _report_dict()
+    data["modules"] = {"unet.up_blocks.0": data["modules"]["unet.up_blocks.0"]}
+    fig = TuningReport.from_dict(data).plot()
+    assert not _bars(fig.axes[0])
+    assert "no target has timings yet" in _texts(fig.axes[0])
+
+
+def test_report_of_a_real_tuning_run(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ManyOpsBlock(), torch.nn.Linear(16, 32), MLPBlock(32), MLPBlock(32)).eval()
+    blocks = {"many_ops": model[0], "mlp.0": model[2], "mlp.1": model[3]}
+    registration = register(blocks, {"backends": ["onnxruntime"], "progress": False, "warmup": 1, "repeats": 3})
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        model(x)  # recording
+        registration.tune()
+        model(x)  # tuning
+        model(x)  # tuned
+    assert registration.all_tuned
+    report = registration.report()
+    timed = [n for n, m in report.modules.items() if m.eager_latency_s is not None and m.tuned_latency_s is not None]
+    assert timed == list(blocks)
+
+    fig = report.plot()
+    targets_ax, e2e_ax = fig.axes
+    bars = _bars(targets_ax)
+    assert len(bars["eager"]) == len(bars["tuned"]) == len(timed)
+    assert [label.get_text() for label in targets_ax.get_yticklabels()] == timed
+    for name, bar in zip(timed, bars["tuned"], strict=True):
+        assert bar.get_width() == pytest.approx(report.modules[name].tuned_latency_s * 1e3)
+    assert len(_texts(targets_ax)) == len(timed)  # one annotation per target
+    assert any("not measured" in text for text in _texts(e2e_ax))  # the core alone times no whole calls
+    assert fig.get_suptitle().startswith("aitune_hf: 3 targets")
+    path = tmp_path / "real.png"
+    fig.savefig(path)
+    assert path.read_bytes().startswith(PNG_MAGIC)
+    registration.detach()
+
+
+def test_no_pyplot_no_global_backend() -> None:
+    """Importing needs no matplotlib; plotting uses a bare Figure, never pyplot nor a backend switch."""
+    code = (
+        "import sys, io\n"
+        "import aitune_hf, aitune_hf.plotting\n"
+        "assert 'matplotlib' not in sys.modules, 'imported matplotlib eagerly'\n"
+        "report = aitune_hf.TuningReport.from_dict({'modules': {}})\n"
+        "buffer = io.BytesIO()\n"
+        "report.plot().savefig(buffer, format='png')\n"
+        "assert buffer.getvalue().startswith(b'\\x89PNG')\n"
+        "assert 'matplotlib.pyplot' not in sys.modules, 'imported pyplot (which picks a backend)'\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
