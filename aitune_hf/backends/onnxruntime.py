@@ -64,7 +64,7 @@ class OnnxRuntimeBackend(Backend):
     def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
         import onnxruntime
 
-        onnxruntime.set_default_logger_severity(3)  # failures are reported by aitune_hf, not printed
+        onnxruntime.set_default_logger_severity(4)  # fatal only: failures are reported by aitune_hf
         args, kwargs = samples[0]
         in_leaves, in_spec = pytree.tree_flatten((args, kwargs))
         tensor_positions = [i for i, leaf in enumerate(in_leaves) if isinstance(leaf, torch.Tensor)]
@@ -99,7 +99,7 @@ class OnnxRuntimeBackend(Backend):
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = self.intra_op_num_threads or torch.get_num_threads()
         options.inter_op_num_threads = 1
-        options.log_severity_level = 3
+        options.log_severity_level = 4
         # Idle ORT threads must not spin: many sessions (one per block) share the cores with torch.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = self.providers or (
