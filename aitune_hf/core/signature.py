@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,8 +125,3 @@ class Sample:
     def as_call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The plain `(args, kwargs)` pair that backends receive."""
         return self.args, self.kwargs
-
-
-def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """Apply `fn` to every tensor leaf of a pytree."""
-    return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
