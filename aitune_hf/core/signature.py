@@ -95,6 +95,10 @@ def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> InputSignatur
     )
 
 
+def _tensor_bytes(leaves: list[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
 def _clone_leaf(leaf: Any) -> Any:
     return leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
 
@@ -110,14 +114,13 @@ class Sample:
     @staticmethod
     def nbytes_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         """Bytes that capturing this call would copy."""
-        leaves = pytree.tree_leaves((args, kwargs))
-        return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+        return _tensor_bytes(pytree.tree_leaves((args, kwargs)))
 
     @classmethod
     def capture(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sample:
         """Detached copies of the call's tensors (so later in-place edits by the caller cannot alter them)."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        nbytes = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+        nbytes = _tensor_bytes(leaves)
         with torch.no_grad():
             cloned_args, cloned_kwargs = pytree.tree_unflatten([_clone_leaf(x) for x in leaves], spec)
         return cls(tuple(cloned_args), dict(cloned_kwargs), nbytes)
