@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from aitune_hf.core.config import DEFAULT_TOLERANCES
 from aitune_hf.core.report import TuningReport
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -47,8 +48,6 @@ SENTENCES = (
     "The cat sits outside on a sunny afternoon.",
     "Someone is slicing a tomato in the kitchen.",
 )
-#: The tuned whole-call output must equal the eager one within this absolute tolerance, per output dtype.
-OUTPUT_ATOL = {"float64": 1e-6, "float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
 #: Errors that are the user's to fix: reported as one line, exit code 2, no traceback.
 USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, ImportError)
 
@@ -189,11 +188,13 @@ def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
 def _compare(eager: Any, tuned: Any) -> tuple[float, float, bool]:
     """(max abs diff, atol, within atol) of two whole-call outputs."""
     import numpy as np
+    import torch
 
     eager, tuned = np.asarray(eager), np.asarray(tuned)
     if eager.shape != tuned.shape:
         return float("inf"), 0.0, False
-    atol = OUTPUT_ATOL.get(str(eager.dtype), 1e-3)
+    # The whole-call output is held to the same per-dtype atol as each block's check.
+    atol = DEFAULT_TOLERANCES.get(getattr(torch, str(eager.dtype), None), (1e-3, 0.0))[0]
     diff = float(np.max(np.abs(tuned.astype(np.float64) - eager.astype(np.float64)))) if eager.size else 0.0
     return diff, atol, bool(np.allclose(tuned, eager, atol=atol, rtol=0.0))
 
