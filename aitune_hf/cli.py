@@ -10,6 +10,9 @@ same for a local Diffusers pipeline or Transformers model folder and writes the 
 prints a saved report as a table.
 
 Exit codes: 0 success, 1 the tuned output differed from eager (FAIL), 2 a usage error (one line on stderr).
+Only errors that are the user's to fix are one line: an `aitune_hf.errors.AITuneError` (a bad option, value or
+folder), an OSError (a missing file or folder) and an ImportError (a missing optional extra). Anything else
+is a bug and shows its traceback.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from aitune_hf.core.config import DEFAULT_TOLERANCES
+from aitune_hf.core.config import DEFAULT_TOLERANCES, TuningConfig
 from aitune_hf.core.report import TuningReport
+from aitune_hf.errors import AITuneError, UserInputError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -37,6 +41,7 @@ DEMO_FAMILIES = ("sd", "flux", "pixart", "minilm")
 SIZES = ("tiny", "small")
 DEFAULT_BACKENDS = "inductor,onnxruntime"
 DEFAULT_PROMPT = "a photo of an astronaut riding a horse"
+_KINDS = {"diffusers": "pipeline", "transformers": "model"}
 #: Sentences for Transformers models: `tiny` uses the first two, `small` all of them.
 SENTENCES = (
     "A man is eating food.",
@@ -48,11 +53,11 @@ SENTENCES = (
     "The cat sits outside on a sunny afternoon.",
     "Someone is slicing a tomato in the kitchen.",
 )
-#: Errors that are the user's to fix: reported as one line, exit code 2, no traceback.
-USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, ImportError)
+#: Errors that are the user's to fix: reported as one line, exit code 2, no traceback. Anything else is a bug.
+USER_ERRORS = (AITuneError, OSError, ImportError)
 
 
-class UsageError(ValueError):
+class UsageError(UserInputError):
     """A mistake in the command line or its inputs (reported as one line)."""
 
 
@@ -78,6 +83,9 @@ class Workload:
     run: Callable[[], Any]  # one whole call with fixed inputs (fixed seed) -> output as a numpy array
     describe: str
     facts: dict[str, Any] = field(default_factory=dict)
+    #: The command-line flags that shaped the call (`tune`): a call that rejects its inputs is then a usage
+    #: error naming them. Empty for the demo's own calls, whose failures are bugs.
+    call_flags: str = ""
 
     def measure(self, rounds: int) -> dict[str, Any]:
         with _inference(self.kind):
@@ -156,8 +164,16 @@ def _parse_backends(text: str) -> list[str]:
     if not names:
         raise UsageError("--backends needs at least one backend name, e.g. inductor,onnxruntime")
     for name in names:
-        get_backend(name)  # ValueError naming the valid backends
+        get_backend(name)  # UserInputError naming the valid backends
     return names
+
+
+def _check_options(args: argparse.Namespace) -> list[str]:
+    """The backends, after checking them and the tuning options as a TuningConfig (ConfigError), so that a bad
+    value fails before anything is built or loaded."""
+    backends = _parse_backends(args.backends)
+    TuningConfig(backends=backends, **_config_fields(args))
+    return backends
 
 
 def _parse_targets(text: str, obj: Any) -> Any:
@@ -212,7 +228,12 @@ def _tune_and_check(work: Workload, args: argparse.Namespace, out: Any) -> tuple
     targets = _parse_targets(args.targets, work.obj)
     say(f"model: {work.describe}")
 
-    eager, eager_s = _timed(work.run)
+    try:
+        eager, eager_s = _timed(work.run)
+    except (TypeError, ValueError) as error:  # before enable_aitune: the library rejected the call's inputs
+        if not work.call_flags or isinstance(error, AITuneError):
+            raise
+        raise UsageError(f"the eager call rejected its inputs (see {work.call_flags}): {_first_line(error)}") from error
     fixed = "fixed seed" if work.kind == "diffusers" else "fixed inputs"
     say(f"eager call ({fixed}): {eager_s:.3f} s")
 
@@ -293,7 +314,7 @@ def cmd_demo(args: argparse.Namespace, out: Any) -> int:
     against tuned whole calls, and check that the tuned output equals the eager output."""
     say = _printer(out)
     threads_line = _pin_threads(args.threads)
-    _parse_backends(args.backends)  # fail before building anything
+    _check_options(args)  # fail before building anything
     _check_writable(args.json)
     from aitune_hf import testing
 
@@ -331,7 +352,7 @@ def cmd_tune(args: argparse.Namespace, out: Any) -> int:
         raise FileNotFoundError(f"{folder}: no such folder")
     if not folder.is_dir():
         raise UsageError(f"{folder} is not a folder; pass a local Diffusers pipeline or Transformers model folder")
-    kind = folder_kind(folder)  # ValueError for a folder that is neither
+    kind = folder_kind(folder)  # UserInputError for a folder that is neither
     call_extra = _parse_call_kwargs(args.call_kwargs)
     _check_writable(args.report)
     if kind == "diffusers" and args.text:
@@ -339,16 +360,22 @@ def cmd_tune(args: argparse.Namespace, out: Any) -> int:
     if kind == "transformers" and (call_extra or args.height or args.width):
         raise UsageError("--call-kwargs/--height/--width are for Diffusers pipelines; a model takes --text")
     threads_line = _pin_threads(args.threads)
-    _parse_backends(args.backends)
+    _check_options(args)
     say(threads_line)
-    if kind == "diffusers":
-        call = {"prompt": args.prompt, "num_inference_steps": args.steps}
-        call.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
-        call.update(call_extra)
-        work = _diffusers_workload(folder, call, args.seed)
-        say(f"call: {', '.join(f'{k}={v!r}' for k, v in call.items())}")
-    else:
-        work = _transformers_workload(folder, args.text or SENTENCES[:2])
+    try:  # the folder is the user's: a library that rejects it (a bad config value, ...) is a usage error
+        if kind == "diffusers":
+            call = {"prompt": args.prompt, "num_inference_steps": args.steps}
+            call.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
+            call.update(call_extra)
+            work = _diffusers_workload(folder, call, args.seed)
+            say(f"call: {', '.join(f'{k}={v!r}' for k, v in call.items())}")
+        else:
+            work = _transformers_workload(folder, args.text or SENTENCES[:2])
+    except ValueError as error:
+        if isinstance(error, AITuneError):
+            raise
+        raise UsageError(f"{folder} did not load as a {kind} {_KINDS[kind]}: {_first_line(error)}") from error
+    work.call_flags = "--prompt/--steps/--height/--width/--call-kwargs" if kind == "diffusers" else "--text"
     work.facts = {"command": "tune", "folder": str(folder.resolve()), "kind": kind}
     report, facts = _tune_and_check(work, args, out)
     say(f"report JSON written to {_write_json(report, facts, args.report)}")

@@ -96,6 +96,8 @@ def test_report_round_trips_the_table(demo, capsys: pytest.CaptureFixture[str]) 
         (["report", "/nonexistent/report.json"], "no such file"),
         (["demo", "--family", "nope"], "invalid choice"),
         (["demo", "--threads", "0"], "expected a number >= 1"),
+        (["demo", "--min-speedup", "nan"], "TuningConfig.min_speedup must be a finite number >= 0, got nan"),
+        (["demo", "--warmup", "-1"], "TuningConfig.warmup must be an int >= 0, got -1"),
         (["frobnicate"], "invalid choice"),
     ],
 )
@@ -110,6 +112,54 @@ def test_folder_that_is_not_a_pipeline(tmp_path: Path, capsys: pytest.CaptureFix
     (tmp_path / "notes.txt").write_text("not a model")
     assert main(["tune", str(tmp_path)]) == 2
     assert "neither a Diffusers pipeline" in one_line(capsys.readouterr().err)
+    (tmp_path / "config.json").write_text("{broken")
+    assert main(["tune", str(tmp_path)]) == 2
+    assert "config.json is not JSON" in one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("bug", [RuntimeError, ValueError, TypeError, KeyError, AttributeError])
+def test_a_real_bug_is_not_turned_into_a_usage_error(
+    bug: type[Exception], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import aitune_hf.cli
+
+    def broken(data: dict) -> str:
+        raise bug("an internal bug")
+
+    monkeypatch.setattr(aitune_hf.cli, "format_report", broken)
+    (tmp_path / "r.json").write_text("{}")
+    with pytest.raises(bug, match="an internal bug"):  # uncaught: Python prints the traceback, exit code 1
+        main(["report", str(tmp_path / "r.json")])
+    assert "aitune-hf: error" not in capsys.readouterr().err
+
+
+def test_a_real_bug_shows_its_traceback_in_a_process(tmp_path: Path) -> None:
+    (tmp_path / "r.json").write_text("{}")
+    code = (
+        "import sys, aitune_hf.cli as cli\n"
+        "def broken(data):\n"
+        "    raise RuntimeError('an internal bug')\n"
+        "cli.format_report = broken\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "report", str(tmp_path / "r.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "RuntimeError: an internal bug" in result.stderr and "aitune-hf: error" not in result.stderr
+
+
+def test_user_errors_are_the_error_hierarchy() -> None:
+    from aitune_hf.cli import USER_ERRORS, UsageError
+    from aitune_hf.errors import AITuneError, UserInputError
+
+    assert issubclass(UsageError, UserInputError)
+    assert set(USER_ERRORS) == {AITuneError, OSError, ImportError}
 
 
 def test_not_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -133,6 +183,15 @@ def test_unknown_dotted_target(sd_folder: Path, capsys: pytest.CaptureFixture[st
     argv = ["tune", str(sd_folder), "--steps", "2", "--targets", "unet.mid_blok", "--backends", "onnxruntime"]
     assert main([*argv, *QUICK]) == 2
     assert "Did you mean 'unet.mid_block'" in one_line(capsys.readouterr().err)
+
+
+def test_a_call_the_pipeline_rejects_is_a_usage_error(
+    sd_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["tune", str(sd_folder), "--steps", "2", "--height", "65", "--width", "64", "--backends", "onnxruntime"]
+    assert main([*argv, *QUICK, "--report", str(tmp_path / "r.json")]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "the eager call rejected its inputs" in line and "--height" in line and "divisible by 8" in line
 
 
 def test_tune_one_named_target_writes_the_report(sd_folder: Path, tmp_path: Path) -> None:

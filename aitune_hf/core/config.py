@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -9,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aitune_hf.backends.base import Backend, get_backend
+from aitune_hf.backends.base import Backend, backend_names, get_backend
+from aitune_hf.errors import ConfigError, InputTypeError
 
 if TYPE_CHECKING:
     from aitune_hf.core.strategy import Strategy
@@ -43,6 +46,22 @@ class TuningConfig:
             recording N calls).
         share_identical: identical siblings reuse the first one's decision (checked for correctness only).
         progress: show a tqdm progress bar over targets while tuning.
+        max_routes: at most this many built routes per target: one per input signature and guarded module
+            state; beyond it, calls in a new state run eager and the report says why.
+        retune: after a guard failure (module state or structure changed since a backend was built), re-tune
+            on its own at a later call; False: only when `tune()` is called.
+
+    Every field is checked on construction (and again by `coerce`): a wrong type, a bool where an int is
+    meant, NaN, an infinity or a value out of range is a `ConfigError` that names the field, the value and
+    what is valid.
+
+    Example:
+        >>> TuningConfig(backends=["onnxruntime"], repeats=5).repeats
+        5
+        >>> TuningConfig(min_speedup=float("nan"))
+        Traceback (most recent call last):
+        ...
+        aitune_hf.errors.ConfigError: TuningConfig.min_speedup must be a finite number >= 0, got nan
     """
 
     backends: Sequence[str | Backend] = ("inductor", "onnxruntime")
@@ -56,18 +75,29 @@ class TuningConfig:
     trigger: str = "manual"
     share_identical: bool = True
     progress: bool = True
+    max_routes: int = 8
+    retune: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.backends, str | Backend):
-            self.backends = (self.backends,)
-        if not _TRIGGER.match(self.trigger):
-            raise ValueError(f"trigger must be 'manual' or 'after_calls=N' (N >= 1), got {self.trigger!r}")
-        if self.after_calls == 0:
-            raise ValueError("trigger 'after_calls=N' needs N >= 1")
-        if self.min_speedup < 0:
-            raise ValueError(f"min_speedup must be >= 0, got {self.min_speedup}")
-        if self.repeats < 1 or self.warmup < 0 or self.max_samples_per_signature < 1:
-            raise ValueError("repeats and max_samples_per_signature must be >= 1, warmup >= 0")
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (in field order; the first bad one raises `ConfigError`) and normalise them:
+        `backends` becomes a tuple, counts plain ints, `min_speedup` a float, `tolerances` a new dict of
+        float pairs. Idempotent; `coerce` calls it again, so a field assigned after construction is checked."""
+        self.backends = _check_backends(self.backends)
+        self.strategy = _check_strategy(self.strategy)
+        self.min_speedup = _check_number("min_speedup", self.min_speedup)
+        self.tolerances = _check_tolerances(self.tolerances)
+        self.warmup = _check_int("warmup", self.warmup, 0)
+        self.repeats = _check_int("repeats", self.repeats, 1)
+        self.max_samples_per_signature = _check_int("max_samples_per_signature", self.max_samples_per_signature, 1)
+        self.max_sample_bytes = _check_int("max_sample_bytes", self.max_sample_bytes, 1)
+        self.trigger = _check_trigger(self.trigger)
+        self.share_identical = _check_bool("share_identical", self.share_identical)
+        self.progress = _check_bool("progress", self.progress)
+        self.max_routes = _check_int("max_routes", self.max_routes, 1)
+        self.retune = _check_bool("retune", self.retune)
 
     @property
     def after_calls(self) -> int | None:
@@ -76,30 +106,125 @@ class TuningConfig:
         return int(match.group(2)) if match and match.group(2) else None
 
     def resolve_backends(self) -> list[Backend]:
-        """Backend instances, eager excluded (it is always the baseline). Unknown names raise ValueError."""
+        """Backend instances, eager excluded (it is always the baseline); names were checked on construction."""
         resolved = [get_backend(spec) for spec in self.backends]
         return [b for b in resolved if b.name != "eager"]
-
-    def resolve_strategy(self) -> Strategy:
-        from aitune_hf.core.strategy import resolve_strategy
-
-        return resolve_strategy(self.strategy)
 
     def tolerance(self, dtype: torch.dtype) -> tuple[float, float]:
         return self.tolerances.get(dtype, (0.0, 0.0))
 
     @classmethod
     def coerce(cls, config: TuningConfig | Mapping[str, Any] | None) -> TuningConfig:
-        """Accept a TuningConfig, a dict of its fields, or None (defaults)."""
+        """Accept a TuningConfig (checked again), a dict of its fields, or None (defaults).
+
+        Raises:
+            ConfigError: an unknown key, or a field with a bad value.
+            InputTypeError: `config` is none of the three.
+        """
         if config is None:
             return cls()
         if isinstance(config, TuningConfig):
+            config.validate()
             return config
         if isinstance(config, Mapping):
             unknown = set(config) - set(cls.__dataclass_fields__)
             if unknown:
-                raise ValueError(
-                    f"unknown TuningConfig fields {sorted(unknown)}; valid: {sorted(cls.__dataclass_fields__)}"
+                raise ConfigError(
+                    f"unknown TuningConfig fields {', '.join(sorted(map(repr, unknown)))}; "
+                    f"valid: {', '.join(cls.__dataclass_fields__)}"
                 )
             return cls(**config)
-        raise TypeError(f"config must be a TuningConfig, a dict or None, got {type(config).__name__}")
+        raise InputTypeError(
+            f"config must be a TuningConfig, a dict of its fields or None, got {type(config).__name__}: {config!r:.80}"
+        )
+
+
+# -- field checks: each returns the normalised value or raises ConfigError naming field, value and what is valid --
+
+
+def _error(name: str, value: Any, valid: str) -> ConfigError:
+    return ConfigError(f"TuningConfig.{name} must be {valid}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if not _is_int(value) or value < minimum:
+        raise _error(name, value, f"an int >= {minimum}")
+    return int(value)
+
+
+def _check_number(name: str, value: Any, minimum: float = 0.0) -> float:
+    if not _is_real(value) or not math.isfinite(value) or value < minimum:
+        raise _error(name, value, f"a finite number >= {minimum:g}")
+    return float(value)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _error(name, value, "True or False")
+    return value
+
+
+def _check_backends(value: Any) -> tuple[str | Backend, ...]:
+    valid = f"backend names ({', '.join(backend_names())}) or Backend instances"
+    if isinstance(value, str | Backend):
+        value = (value,)
+    if not isinstance(value, Sequence):  # a set has no order, and the order is the order of trial
+        raise _error("backends", value, f"a list or tuple of {valid}")
+    for spec in value:
+        if isinstance(spec, type) and issubclass(spec, Backend):
+            raise _error("backends", value, f"a list of {valid} (pass {spec.__name__}(), an instance)")
+        if isinstance(spec, str) and spec not in backend_names():
+            raise ConfigError(
+                f"TuningConfig.backends: unknown backend {spec!r}; valid names: {', '.join(backend_names())}"
+            )
+        if not isinstance(spec, str | Backend):
+            raise _error("backends", value, f"a list of {valid}; {spec!r} is a {type(spec).__name__}")
+    return tuple(value)
+
+
+def _check_strategy(value: Any) -> str | Strategy:
+    from aitune_hf.core.strategy import STRATEGIES, Strategy  # strategy.py imports this module
+
+    if isinstance(value, Strategy) or (isinstance(value, str) and value in STRATEGIES):
+        return value
+    if isinstance(value, str):
+        raise ConfigError(
+            f"TuningConfig.strategy: unknown strategy {value!r}; valid: {', '.join(map(repr, STRATEGIES))}, "
+            f"or a Strategy instance such as OneBackend('onnxruntime')"
+        )
+    raise _error("strategy", value, f"one of {', '.join(map(repr, STRATEGIES))} or a Strategy instance")
+
+
+def _check_tolerances(value: Any) -> dict[torch.dtype, tuple[float, float]]:
+    if not isinstance(value, Mapping):
+        raise _error("tolerances", value, "a dict of torch.dtype -> (atol, rtol), e.g. {torch.float32: (1e-3, 1e-3)}")
+    checked = {}
+    for dtype, pair in value.items():
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(
+                f"TuningConfig.tolerances keys must be torch dtypes (e.g. torch.float32), got {dtype!r} "
+                f"({type(dtype).__name__})"
+            )
+        if (
+            not isinstance(pair, tuple | list)
+            or len(pair) != 2
+            or not all(_is_real(x) and math.isfinite(x) and x >= 0 for x in pair)
+        ):
+            raise _error(f"tolerances[{dtype}]", pair, "an (atol, rtol) pair of finite numbers >= 0")
+        checked[dtype] = (float(pair[0]), float(pair[1]))
+    return checked
+
+
+def _check_trigger(value: Any) -> str:
+    match = _TRIGGER.fullmatch(value) if isinstance(value, str) else None
+    if match is None or (match.group(2) is not None and int(match.group(2)) < 1):
+        raise _error("trigger", value, "'manual' or 'after_calls=N' with N >= 1")
+    return value

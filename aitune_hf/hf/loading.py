@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from aitune_hf.core.registration import Registration
+from aitune_hf.errors import UserInputError
 from aitune_hf.hf.mixin import AITuneMixin
 
 _SUBCLASSES: dict[type, type] = {}
@@ -55,8 +56,18 @@ def apply_mixin(obj: Any) -> Any:
 
 
 def enable_aitune(obj: Any, targets: Any = "blocks", **options: Any) -> Registration:
-    """Enable aitune on a pipeline or model built elsewhere (re-classed in place); returns the Registration."""
-    return apply_mixin(obj).enable_aitune(targets, **options)
+    """Enable aitune on a pipeline or model built elsewhere (re-classed in place); returns the Registration.
+
+    All or nothing: when enabling raises (a bad option, a target that does not resolve), `obj` gets its own
+    class back and nothing is patched.
+    """
+    cls = type(obj)
+    try:
+        return apply_mixin(obj).enable_aitune(targets, **options)
+    except BaseException:
+        if type(obj) is not cls:
+            obj.__class__ = cls
+        raise
 
 
 def _enable_from(obj: Any, aitune: Mapping[str, Any] | bool | None) -> Any:
@@ -101,16 +112,22 @@ class AITuneModel:
 
         if isinstance(auto_class, str):
             if not hasattr(transformers, auto_class):
-                raise ValueError(f"unknown Transformers auto class {auto_class!r} (e.g. 'AutoModel')")
+                raise UserInputError(f"unknown Transformers auto class {auto_class!r} (e.g. 'AutoModel')")
             auto_class = getattr(transformers, auto_class)
         return _enable_from(auto_class.from_pretrained(path, **kwargs), aitune)
 
 
 def folder_kind(path: str | Path) -> str:
-    """'diffusers' or 'transformers' for a local model folder; ValueError otherwise."""
+    """'diffusers' or 'transformers' for a local model folder; `UserInputError` (a ValueError) otherwise."""
     folder = Path(path)
     if (folder / "model_index.json").exists():
         return "diffusers"
-    if (folder / "config.json").exists() and "architectures" in json.loads((folder / "config.json").read_text()):
-        return "transformers"
-    raise ValueError(f"{folder} holds neither a Diffusers pipeline (model_index.json) nor a Transformers model")
+    config = folder / "config.json"
+    if config.exists():
+        try:
+            data = json.loads(config.read_text())
+        except json.JSONDecodeError as error:
+            raise UserInputError(f"{config} is not JSON: {error}") from None
+        if isinstance(data, dict) and "architectures" in data:
+            return "transformers"
+    raise UserInputError(f"{folder} holds neither a Diffusers pipeline (model_index.json) nor a Transformers model")

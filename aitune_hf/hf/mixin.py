@@ -70,11 +70,38 @@ class AITuneMixin:
         `targets="auto"` tunes whole components first, with `component_backends` only (exports are quick;
         whole-component compiles are not); each component that stays eager is then replaced by its blocks,
         which record in the next call and tune, with every backend, in the call after.
+
+        Raises (before anything is registered or patched):
+            ConfigError: a bad `tune_after_calls`, `component_backends` or `TuningConfig` field.
+            UserInputError / InputTypeError: `targets` that do not resolve / of the wrong type.
+            UsageError: aitune is already enabled here.
         """
+        from aitune_hf.backends.base import backend_names
+        from aitune_hf.errors import ConfigError, InputTypeError, UsageError
+
+        # Every argument is checked before anything is registered or patched: a bad value leaves nothing behind.
         if self.aitune is not None:
-            raise RuntimeError("aitune is already enabled here; call disable_aitune() first to change its settings")
-        if tune_after_calls is not None and tune_after_calls < 1:
-            raise ValueError(f"tune_after_calls must be >= 1 or None, got {tune_after_calls}")
+            raise UsageError("aitune is already enabled here; call disable_aitune() first to change its settings")
+        if tune_after_calls is not None and (
+            not isinstance(tune_after_calls, int) or isinstance(tune_after_calls, bool) or tune_after_calls < 1
+        ):
+            raise ConfigError(f"enable_aitune tune_after_calls must be an int >= 1 or None, got {tune_after_calls!r}")
+        if isinstance(component_backends, str):
+            component_backends = (component_backends,)
+        if (
+            not isinstance(component_backends, Sequence)
+            or not component_backends
+            or not all(isinstance(name, str) and name in backend_names() for name in component_backends)
+        ):
+            raise ConfigError(
+                f"enable_aitune component_backends must be a non-empty list of backend names "
+                f"({', '.join(backend_names())}), got {component_backends!r}"
+            )
+        if not (isinstance(targets, str | Sequence) or callable(targets)):
+            raise InputTypeError(
+                f"enable_aitune targets must be 'blocks', 'components', 'auto', a list of dotted module names or "
+                f"a callable, got {type(targets).__name__}: {targets!r:.60}"
+            )
         options = dict(
             targets=targets,
             backends=backends,
@@ -92,12 +119,16 @@ class AITuneMixin:
         auto = targets == "auto"
         found = find_targets(self, "components" if auto else targets)
         registration = register(as_modules(found), tuning_config)
-        _apply_weight_motion(registration, found)
-        if auto:
-            allowed = set(component_backends)
-            reason = f"auto mode tries whole components with {', '.join(sorted(allowed))} only"
-            for target in registration.targets.values():
-                target.restrict(lambda backend: backend.name in allowed, reason)
+        try:
+            _apply_weight_motion(registration, found)
+            if auto:
+                allowed = set(component_backends)
+                reason = f"auto mode tries whole components with {', '.join(sorted(allowed))} only"
+                for target in registration.targets.values():
+                    target.restrict(lambda backend: backend.name in allowed, reason)
+        except BaseException:
+            registration.detach()  # all or nothing: no target stays patched when enabling fails
+            raise
         self.__dict__["_aitune_state"] = _AITuneState(registration, options, found, tune_after_calls, auto=auto)
         logger.info("aitune enabled on %s: %d target(s)", type(self).__name__, len(found))
         return registration

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from aitune_hf.errors import InputTypeError, UserInputError
+
 TargetSelection = str | Sequence[str] | Callable[[Any], Any]
 MODES = ("blocks", "components", "auto")
 #: The name of a bare model registered whole (targets="components" on a model, not a pipeline).
@@ -42,7 +44,7 @@ def components_of(obj: Any) -> dict[str, nn.Module]:
     model = getattr(obj, "model", None)
     if isinstance(model, nn.Module):  # a Transformers pipeline
         return {"model": model}
-    raise TypeError(
+    raise InputTypeError(
         f"cannot find components in a {type(obj).__name__}: pass a Diffusers pipeline, a Transformers pipeline "
         f"or model, or an nn.Module"
     )
@@ -94,13 +96,14 @@ def find_targets(obj: Any, targets: TargetSelection = "blocks") -> list[FoundTar
     `enable_aitune` then descends into the blocks of components that stay eager).
 
     Raises:
-        ValueError: an unknown mode string, a name that does not resolve, an empty selection.
-        TypeError: a callable that returns something other than modules.
+        UserInputError (a ValueError): an unknown mode string, a name that does not resolve, an empty selection.
+        InputTypeError (a TypeError): a selection of the wrong type, a callable that returns something other
+            than modules.
     """
     components = components_of(obj)
     if isinstance(targets, str):
         if targets not in MODES:
-            raise ValueError(
+            raise UserInputError(
                 f"unknown targets {targets!r}; valid: 'blocks', 'components', 'auto', a list of dotted module names "
                 f"(e.g. {_examples(components)}), or a callable"
             )
@@ -117,9 +120,11 @@ def find_targets(obj: Any, targets: TargetSelection = "blocks") -> list[FoundTar
     elif isinstance(targets, Iterable):
         found = [_resolve(components, name) for name in targets]
     else:
-        raise TypeError(f"targets must be a string, a list of names or a callable, got {type(targets).__name__}")
+        raise InputTypeError(
+            f"targets must be a string, a list of names or a callable, got {type(targets).__name__}: {targets!r:.60}"
+        )
     if not found:
-        raise ValueError(
+        raise UserInputError(
             f"targets={targets!r} found nothing to tune in this {type(obj).__name__}; valid names look like "
             f"{_examples(components)}"
         )
@@ -128,7 +133,7 @@ def find_targets(obj: Any, targets: TargetSelection = "blocks") -> list[FoundTar
 
 def _resolve(components: dict[str, nn.Module], name: Any) -> FoundTarget:
     if not isinstance(name, str):
-        raise TypeError(f"target names are dotted strings, got {type(name).__name__}: {name!r}")
+        raise InputTypeError(f"target names are dotted strings, got {type(name).__name__}: {name!r}")
     for prefix, component in components.items():
         if not prefix and name == BARE_MODEL_NAME and not hasattr(component, BARE_MODEL_NAME):
             return FoundTarget(name, component, "", component)
@@ -142,7 +147,7 @@ def _resolve(components: dict[str, nn.Module], name: Any) -> FoundTarget:
     valid = [_join(p, s) for p, c in components.items() for s in block_paths(c) or [""]]
     close = difflib.get_close_matches(name, valid, n=3)
     hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-    raise ValueError(
+    raise UserInputError(
         f"target {name!r} does not name a module here.{hint} Components: {', '.join(repr(p) for p in components)}; "
         f"blocks: {', '.join(valid[:12])}{' ...' if len(valid) > 12 else ''}"
     )
@@ -155,16 +160,23 @@ def _from_callable(components: dict[str, nn.Module], result: Any) -> list[FoundT
         for prefix, component in components.items()
         for path, module in component.named_modules()
     }
+    if not isinstance(result, Mapping | Iterable):
+        raise InputTypeError(
+            f"the targets callable returned {type(result).__name__} ({result!r:.60}); it must return a list of "
+            f"nn.Module instances or a mapping of name -> module"
+        )
     items = list(result.items()) if isinstance(result, Mapping) else [(None, m) for m in result]
     found = []
     for given, module in items:
         if not isinstance(module, nn.Module):
-            raise TypeError(
+            raise InputTypeError(
                 f"the targets callable returned {type(module).__name__} ({module!r:.60}); it must return "
                 f"nn.Module instances (or a mapping of name -> module)"
             )
         if id(module) not in located:
-            raise ValueError(f"the targets callable returned a {type(module).__name__} that is not part of this object")
+            raise UserInputError(
+                f"the targets callable returned a {type(module).__name__} that is not part of this object"
+            )
         name, component, path = located[id(module)]
         found.append(FoundTarget(given or name, component, path, module))
     return found
