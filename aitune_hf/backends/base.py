@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from aitune_hf.errors import InputTypeError, UserInputError
+
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
@@ -35,6 +37,8 @@ class Backend(abc.ABC):
     bakes_weights: bool = False
     #: True when the built callable supports autograd (so it may serve calls with grad enabled).
     supports_autograd: bool = False
+    #: True when the built callable takes inputs that are objects (a KV cache) and honours their side effects.
+    accepts_objects: bool = False
 
     def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
         """Why this backend cannot run on `devices`, or None when it can."""
@@ -63,7 +67,7 @@ _REGISTRY: dict[str, type[Backend]] = {}
 def register_backend(cls: type[Backend]) -> type[Backend]:
     """Class decorator: make a backend reachable by its `name`."""
     if not cls.name:
-        raise ValueError(f"{cls.__qualname__} must set a non-empty `name` to be registered")
+        raise UserInputError(f"{cls.__qualname__} must set a non-empty `name` to be registered, got {cls.name!r}")
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -78,10 +82,10 @@ def get_backend(spec: str | Backend) -> Backend:
     if isinstance(spec, Backend):
         return spec
     if not isinstance(spec, str):
-        raise TypeError(f"a backend is a name or a Backend instance, got {type(spec).__name__}: {spec!r}")
+        raise InputTypeError(f"a backend is a name or a Backend instance, got {type(spec).__name__}: {spec!r}")
     if spec not in _REGISTRY and spec in _BUILTIN:
         module_name, class_name = _BUILTIN[spec].split(":")
         _REGISTRY[spec] = getattr(importlib.import_module(module_name), class_name)
     if spec not in _REGISTRY:
-        raise ValueError(f"unknown backend {spec!r}; valid names: {', '.join(backend_names())}")
+        raise UserInputError(f"unknown backend {spec!r}; valid names: {', '.join(backend_names())}")
     return _REGISTRY[spec]()

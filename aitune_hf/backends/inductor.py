@@ -21,6 +21,7 @@ class InductorBackend(Backend):
     """`torch.compile(forward, backend="inductor", dynamic=False)`; compiled while building."""
 
     name = "inductor"
+    accepts_objects = True  # Dynamo traces object inputs and replays their mutations
 
     def __init__(
         self,

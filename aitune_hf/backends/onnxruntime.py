@@ -1,7 +1,9 @@
 """ONNX Runtime: export the forward with `torch.onnx.export` and run one session per signature.
 
 Inputs and outputs are flattened to their tensor leaves; every non-tensor leaf (None, a scalar) is part of
-the signature and baked into the graph. The weights are baked too, so the tuning core watches them.
+the signature and baked into the graph. The weights are either graph inputs fed from the module's current
+tensors on every call ("live"), or baked into the graph as initializers ("baked"), in which case the tuning
+core watches them. See `OnnxRuntimeBackend` for why "baked" is the default.
 """
 
 from __future__ import annotations
@@ -22,16 +24,26 @@ import torch
 import torch.utils._pytree as pytree
 
 from aitune_hf.backends.base import Backend, BuiltBackend, Call, register_backend
+from aitune_hf.errors import ConfigError
 
 _INSTALL_HINT = "pip install 'aitune-hf[onnx]'"
+_WEIGHT_MODES = ("baked", "live")
 
 
 @register_backend
 class OnnxRuntimeBackend(Backend):
-    """Export with the Dynamo-based ONNX exporter, run with onnxruntime (CPU, or CUDA where present)."""
+    """Export with the Dynamo-based ONNX exporter, run with onnxruntime (CPU, or CUDA where present).
+
+    `weights`: "baked" (default) stores them in the graph as initializers, and the tuning core verifies their
+    values before each call; "live" makes every parameter and buffer a graph input, fed with the module's
+    current tensors on every call (zero-copy), so any edit to the weights is seen with no check. Measured on
+    this project's CPUs (docs/backends.md): live costs 6-12% on SD UNet stages (ORT's NCHWc convolutions need
+    constant weights) and 20-70% on MiniLM layers at short inputs (ORT packs constant MatMul weights once per
+    session, live ones on every call), while the value check of baked weights costs one read of the weights
+    (0.2 ms per MiniLM layer): baked wins or ties on every workload measured.
+    """
 
     name = "onnxruntime"
-    bakes_weights = True
 
     def __init__(
         self,
@@ -39,11 +51,29 @@ class OnnxRuntimeBackend(Backend):
         intra_op_num_threads: int | None = None,
         opset_version: int | None = None,
         artifact_dir: str | Path | None = None,
+        weights: str = "baked",
     ) -> None:
+        if weights not in _WEIGHT_MODES:
+            raise ConfigError(
+                f"OnnxRuntimeBackend: weights={weights!r} is not valid; valid values: "
+                f"{', '.join(map(repr, _WEIGHT_MODES))}"
+            )
         self.providers = list(providers) if providers else None
         self.intra_op_num_threads = intra_op_num_threads
         self.opset_version = opset_version
         self.artifact_dir = Path(artifact_dir) if artifact_dir else None
+        self.weights = weights
+
+    @property
+    def bakes_weights(self) -> bool:  # type: ignore[override]
+        return self.weights == "baked"
+
+    def describe(self) -> str:
+        return self.name if self.weights == "baked" else f"{self.name}(weights={self.weights})"
+
+    def _bakes(self, module: torch.nn.Module) -> bool:
+        """Whether this build bakes the weights of `module`."""
+        return self.weights == "baked"
 
     def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
         for package in ("onnxruntime", "onnxscript", "onnx"):
@@ -71,30 +101,41 @@ class OnnxRuntimeBackend(Backend):
         for leaf in in_leaves:
             if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.bfloat16:
                 raise TypeError("bfloat16 tensors cannot cross into onnxruntime here; use float16 or float32")
+        bakes = self._bakes(module)
+        weights = {} if bakes else _named_weights(module)
+        for name, tensor in weights.items():
+            if tensor.dtype == torch.bfloat16:
+                raise TypeError(
+                    f"weight {name!r} is bfloat16, which cannot be fed to onnxruntime live; use weights='baked'"
+                )
         with torch.no_grad():
             out_leaves, out_spec = pytree.tree_flatten(forward(*args, **kwargs))
         out_tensor_positions = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
         if not out_tensor_positions:
             raise TypeError("the forward returns no tensor; nothing to export")
 
-        flat = _FlatForward(module, forward, in_leaves, in_spec, tensor_positions).train(module.training)
+        flat = _FlatForward(module, forward, in_leaves, in_spec, tensor_positions, list(weights)).train(module.training)
+        weight_names = [f"weight_{i}" for i in range(len(weights))]
         input_names = [f"input_{i}" for i in range(len(tensor_positions))]
         output_names = [f"output_{i}" for i in range(len(out_tensor_positions))]
         device = next(leaf.device for leaf in in_leaves if isinstance(leaf, torch.Tensor))
 
         with _quiet_exporter(), torch.inference_mode(False), torch.no_grad():
-            example = tuple(in_leaves[i].clone() for i in tensor_positions)
+            # Weights are passed as they are (no copy) unless they are inference tensors, which the exporter
+            # cannot take outside inference mode; tied weights are passed once per name.
+            example = tuple(w.clone() if w.is_inference() else w.detach() for w in weights.values())
+            example += tuple(in_leaves[i].clone() for i in tensor_positions)
             program = torch.onnx.export(
                 flat,
                 example,
-                input_names=input_names,
+                input_names=weight_names + input_names,
                 output_names=output_names,
                 opset_version=self.opset_version,
                 dynamo=True,
                 optimize=True,
                 verbose=False,
             )
-            model, path, cleanup = self._place(program, module)
+            model, path, cleanup = self._place(program, module, large=bakes and _needs_external_data(module))
 
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = self.intra_op_num_threads or torch.get_num_threads()
@@ -114,6 +155,8 @@ class OnnxRuntimeBackend(Backend):
             session=session,
             device=device,
             input_positions={name: tensor_positions[i] for i, name in enumerate(input_names)},
+            weight_sources=dict(zip(weight_names, _weight_sources(module, list(weights)), strict=True)),
+            tree=_module_tree(module) if weights else [],
             output_names=output_names,
             out_spec=out_spec,
             out_template=[None if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves],
@@ -123,12 +166,11 @@ class OnnxRuntimeBackend(Backend):
         )
         if cleanup is not None:  # a temporary folder lives as long as the session that reads it
             weakref.finalize(runner, shutil.rmtree, cleanup, ignore_errors=True)
-        return BuiltBackend(fn=runner, bakes_weights=True, artifacts=[path] if path else [])
+        return BuiltBackend(fn=runner, bakes_weights=bakes, artifacts=[path] if path else [])
 
-    def _place(self, program: Any, module: torch.nn.Module) -> tuple[Any, Path | None, Path | None]:
+    def _place(self, program: Any, module: torch.nn.Module, large: bool) -> tuple[Any, Path | None, Path | None]:
         """Where the session reads the model from: `artifact_dir` when set, else memory (or, past protobuf's
         2 GB limit, a temporary folder removed with the session). Returns (model, saved path, folder to remove)."""
-        large = _needs_external_data(module)
         if self.artifact_dir is None and not large:
             return program.model_proto.SerializeToString(), None, None
         directory = self.artifact_dir or Path(tempfile.mkdtemp(prefix="aitune_hf_onnx_"))
@@ -139,7 +181,12 @@ class OnnxRuntimeBackend(Backend):
 
 
 class _FlatForward(torch.nn.Module):
-    """`forward(*tensors)`: rebuilds the call from its tensor leaves and the baked non-tensor leaves."""
+    """`forward(*weights, *tensors)`: rebuilds the call from its tensor leaves and the baked non-tensor leaves.
+
+    With no `weight_names` the module is registered here, so the exporter bakes its weights as initializers.
+    Otherwise the module stays hidden from the exporter and the call runs with the weights given as inputs
+    (`torch.func.functional_call`), one per name, so tied weights are separate inputs fed the same tensor.
+    """
 
     def __init__(
         self,
@@ -148,21 +195,45 @@ class _FlatForward(torch.nn.Module):
         leaves: list[Any],
         spec: pytree.TreeSpec,
         tensor_positions: list[int],
+        weight_names: list[str],
     ) -> None:
         super().__init__()
-        self.module = module  # registers the weights with the exporter
+        if weight_names:
+            self._bound = (_Bound(module, forward),)  # a tuple: not a submodule, so no initializers
+        else:
+            self.module = module  # registers the weights with the exporter
         self._forward = forward
+        self._weight_names = [f"module.{name}" for name in weight_names]
         self._constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self._spec = spec
         self._tensor_positions = tensor_positions
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        count = len(self._weight_names)
         leaves = list(self._constants)
-        for position, tensor in zip(self._tensor_positions, tensors, strict=True):
+        for position, tensor in zip(self._tensor_positions, tensors[count:], strict=True):
             leaves[position] = tensor
         args, kwargs = pytree.tree_unflatten(leaves, self._spec)
-        out_leaves, _ = pytree.tree_flatten(self._forward(*args, **kwargs))
+        if count:
+            weights = dict(zip(self._weight_names, tensors[:count], strict=True))
+            out = torch.func.functional_call(self._bound[0], weights, args, kwargs, tie_weights=False, strict=True)
+        else:
+            out = self._forward(*args, **kwargs)
+        out_leaves, _ = pytree.tree_flatten(out)
         return tuple(leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor))
+
+
+class _Bound(torch.nn.Module):
+    """Holds the module (so `functional_call` can swap its weights) and calls the forward to reproduce, which
+    may differ from `module.forward` (the tuning core's wrapper sits there)."""
+
+    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any]) -> None:
+        super().__init__()
+        self.module = module
+        self._forward = forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(*args, **kwargs)
 
 
 class _SessionRunner:
@@ -173,6 +244,8 @@ class _SessionRunner:
         session: Any,
         device: torch.device,
         input_positions: dict[str, int],
+        weight_sources: dict[str, tuple[torch.nn.Module, str, str]],
+        tree: list[tuple[torch.nn.Module, str, torch.nn.Module]],
         output_names: list[str],
         out_spec: pytree.TreeSpec,
         out_template: list[Any],
@@ -185,6 +258,9 @@ class _SessionRunner:
         graph_inputs = {i.name for i in session.get_inputs()}
         # The exporter drops inputs the graph does not use.
         self.input_positions = {n: p for n, p in input_positions.items() if n in graph_inputs}
+        # Live weights: (owner submodule, "_parameters" or "_buffers", attribute), looked up on every call.
+        self.weight_sources = {n: s for n, s in weight_sources.items() if n in graph_inputs}
+        self.tree = tree
         self.output_names = output_names
         self.out_spec = out_spec
         self.out_template = out_template
@@ -192,39 +268,69 @@ class _SessionRunner:
         self.out_shapes = out_shapes
         self.out_dtypes = out_dtypes
 
+    def _current_weights(self) -> dict[str, torch.Tensor]:
+        """The module's weights as they are now (re-assigned `.data`, replaced Parameters and in-place edits)."""
+        for parent, name, child in self.tree:
+            if parent._modules.get(name) is not child:
+                raise RuntimeError(
+                    f"submodule {name!r} of {type(parent).__name__} was replaced or removed since the onnxruntime "
+                    "session was built; the graph no longer matches the module"
+                )
+        weights = {}
+        for input_name, (owner, table, attribute) in self.weight_sources.items():
+            tensor = getattr(owner, table).get(attribute)
+            if tensor is None:
+                raise RuntimeError(
+                    f"{type(owner).__name__}.{attribute} is no longer a {table[1:-1]}; it was one when the "
+                    "onnxruntime session was built"
+                )
+            weights[input_name] = tensor
+        return weights
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves = pytree.tree_leaves((args, kwargs))
+        inputs = self._current_weights() if self.weight_sources else {}
+        inputs.update((name, leaves[pos]) for name, pos in self.input_positions.items())
         if self.device.type == "cuda":
-            outputs = self._run_cuda(leaves)
+            outputs = self._run_cuda(inputs)
         else:
-            feeds = {
-                name: np.ascontiguousarray(leaves[pos].detach().cpu().numpy())
-                for name, pos in self.input_positions.items()
-            }
+            feeds = {name: _cpu_array(tensor) for name, tensor in inputs.items()}
             outputs = [torch.from_numpy(a) for a in self.session.run(self.output_names, feeds)]
         out_leaves = list(self.out_template)
         for position, tensor in zip(self.out_tensor_positions, outputs, strict=True):
             out_leaves[position] = tensor
         return pytree.tree_unflatten(out_leaves, self.out_spec)
 
-    def _run_cuda(self, leaves: list[Any]) -> list[torch.Tensor]:
+    def _run_cuda(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        import onnxruntime
+
         binding = self.session.io_binding()
+        index = self.device.index or 0
         keep_alive = []
-        for name, pos in self.input_positions.items():
-            tensor = leaves[pos].detach().contiguous()
+        for name, tensor in inputs.items():
+            if tensor.device != self.device:  # e.g. a weight an offload hook moved away: never bind a foreign pointer
+                raise RuntimeError(f"onnxruntime input {name} is on {tensor.device}, the session on {self.device}")
+            # Standard (row-major) layout: copies non-contiguous, broadcast and channels-last tensors; keeps 0-d.
+            tensor = tensor.detach().contiguous()
             keep_alive.append(tensor)
-            binding.bind_input(
-                name, "cuda", self.device.index or 0, _numpy_dtype(tensor.dtype), tuple(tensor.shape), tensor.data_ptr()
-            )
+            if tensor.numel() == 0:  # no storage to point at: let onnxruntime hold the (empty) value
+                value = onnxruntime.OrtValue.ortvalue_from_shape_and_type(
+                    tuple(tensor.shape), _numpy_dtype(tensor.dtype), "cuda", index
+                )
+                keep_alive.append(value)
+                binding.bind_ortvalue_input(name, value)
+                continue
+            binding.bind_input(name, "cuda", index, _numpy_dtype(tensor.dtype), tuple(tensor.shape), tensor.data_ptr())
         # Fresh buffers every call: an output handed to the user is never overwritten later.
         outputs = [
             torch.empty(shape, dtype=dtype, device=self.device)
             for shape, dtype in zip(self.out_shapes, self.out_dtypes, strict=True)
         ]
         for name, tensor in zip(self.output_names, outputs, strict=True):
-            binding.bind_output(
-                name, "cuda", self.device.index or 0, _numpy_dtype(tensor.dtype), tuple(tensor.shape), tensor.data_ptr()
-            )
+            if tensor.numel() == 0:
+                binding.bind_output(name, "cuda", index)  # onnxruntime allocates; the torch output is empty anyway
+                continue
+            binding.bind_output(name, "cuda", index, _numpy_dtype(tensor.dtype), tuple(tensor.shape), tensor.data_ptr())
         torch.cuda.current_stream(self.device).synchronize()
         self.session.run_with_iobinding(binding)
         return outputs
@@ -232,6 +338,44 @@ class _SessionRunner:
 
 def _numpy_dtype(dtype: torch.dtype) -> Any:
     return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def _cpu_array(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of `tensor` with its exact shape (0-d stays 0-d), in standard row-major layout: no copy
+    when it already is, one copy for non-contiguous, broadcast (stride 0) and channels-last tensors."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor.numpy()
+
+
+def _named_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (non-persistent ones too) under every name, tied ones included."""
+    weights = dict(module.named_parameters(remove_duplicate=False))
+    weights.update(module.named_buffers(remove_duplicate=False))
+    return weights
+
+
+def _weight_sources(module: torch.nn.Module, names: list[str]) -> list[tuple[torch.nn.Module, str, str]]:
+    """(owner submodule, "_parameters" or "_buffers", attribute) for each dotted weight name."""
+    sources = []
+    for name in names:
+        path, _, attribute = name.rpartition(".")
+        owner = module.get_submodule(path)
+        sources.append((owner, "_parameters" if attribute in owner._parameters else "_buffers", attribute))
+    return sources
+
+
+def _module_tree(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """(parent, name, child) for every submodule edge: the structure the exported graph reproduces."""
+    return [
+        (parent, name, child)
+        for parent in module.modules()
+        for name, child in parent._modules.items()
+        if child is not None
+    ]
 
 
 def _needs_external_data(module: torch.nn.Module) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import weakref
@@ -9,13 +10,14 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from aitune_hf.backends.base import Backend
 from aitune_hf.core.config import TuningConfig
+from aitune_hf.core.context import Progress, TuningContext
 from aitune_hf.core.report import ModuleReport, TuningReport
-from aitune_hf.core.strategy import Decision, Strategy
+from aitune_hf.core.strategy import Strategy, resolve_strategy
 from aitune_hf.core.target import Target, TargetState
+from aitune_hf.errors import InputTypeError, UsageError, UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ def _collect(modules: Any) -> dict[str, torch.nn.Module]:
     elif isinstance(modules, Iterable) and not isinstance(modules, str | bytes):
         items = [(str(index), module) for index, module in enumerate(modules)]
     else:
-        raise TypeError(
+        raise InputTypeError(
             f"register() takes a mapping of name -> nn.Module or an iterable of nn.Module, got {type(modules).__name__}"
         )
     collected: dict[str, torch.nn.Module] = {}
@@ -68,18 +70,18 @@ def _collect(modules: Any) -> dict[str, torch.nn.Module]:
             children = [(str(name), module)]
         for child_name, child in children:
             if not isinstance(child, torch.nn.Module):
-                raise TypeError(
+                raise InputTypeError(
                     f"cannot register {child_name!r}: expected an nn.Module, got "
                     f"{type(child).__name__}. Pass modules (or a mapping of name -> module)."
                 )
             if id(child) in seen:
                 continue
             if child_name in collected:
-                raise ValueError(f"two different modules are named {child_name!r}; give each a unique name")
+                raise UserInputError(f"two different modules are named {child_name!r}; give each a unique name")
             seen.add(id(child))
             collected[child_name] = child
     if not collected:
-        raise ValueError("nothing to register: pass at least one nn.Module")
+        raise UserInputError("nothing to register: pass at least one nn.Module")
     return collected
 
 
@@ -91,23 +93,39 @@ class Registration:
 
     def __init__(self, modules: dict[str, torch.nn.Module], config: TuningConfig) -> None:
         self.config = config
-        self.strategy: Strategy = config.resolve_strategy()
-        self.candidates: list[Backend] = self.strategy.candidates(config)
+        strategy: Strategy = resolve_strategy(config.strategy)
+        candidates: list[Backend] = strategy.candidates(config)
         self._check_free(modules)
         self._check_not_nested(modules)
         devices = frozenset(t.device for m in modules.values() for t in [*m.parameters(), *m.buffers()])
-        self.strategy.validate(config, devices or frozenset({torch.device("cpu")}))
+        strategy.validate(config, devices or frozenset({torch.device("cpu")}))
         self._modules = dict(modules)
-        self._targets = {name: Target(name, module, self) for name, module in modules.items()}
-        self._shared_decisions: dict[Any, tuple[str, Decision]] = {}
-        self._progress: Any = None
         self._detached = False
         self._paused = 0
+        self._context = TuningContext(
+            config=config,
+            strategy=strategy,
+            candidates=candidates,
+            progress=Progress(self._pending_count, enabled=config.progress),
+            bypassed=lambda: self._paused > 0,
+        )
+        self._targets = {name: Target(name, module, self._context) for name, module in modules.items()}
         #: Reports of targets that `descend()` replaced by targets inside them, by name.
         self.descended: dict[str, ModuleReport] = {}
         #: End-to-end timings measured by the caller (the Hugging Face layer times whole pipeline calls).
         self.end_to_end: dict[str, Any] | None = None
         self._install_all()
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._context.strategy
+
+    @property
+    def candidates(self) -> list[Backend]:
+        return list(self._context.candidates)
+
+    def _pending_count(self) -> int:
+        return sum(1 for t in self._targets.values() if t.state in (TargetState.ARMED, TargetState.TUNING))
 
     # -- checks and installation --------------------------------------------------------------------
     @staticmethod
@@ -115,7 +133,7 @@ class Registration:
         for name, module in modules.items():
             holder = _HELD.get(module)
             if holder is not None:
-                raise ValueError(
+                raise UserInputError(
                     f"module {name!r} ({type(module).__name__}) is already registered as "
                     f"{holder.name!r} by another live registration; call detach() on that "
                     f"registration (or disable_aitune()) first"
@@ -130,7 +148,7 @@ class Registration:
                     owners.setdefault(id(sub), name)
         for name, module in modules.items():
             if id(module) in owners:
-                raise ValueError(
+                raise UserInputError(
                     f"targets may not nest: {name!r} is inside {owners[id(module)]!r}; register one of the two"
                 )
         inside_held = {
@@ -138,13 +156,13 @@ class Registration:
         }
         for name, module in modules.items():
             if id(module) in inside_held:
-                raise ValueError(
+                raise UserInputError(
                     f"targets may not nest: {name!r} is inside {inside_held[id(module)]!r}, "
                     f"which another live registration holds; detach that registration first"
                 )
             inner = next((t.name for sub in module.modules() if (t := _HELD.get(sub)) is not None), None)
             if inner is not None:
-                raise ValueError(
+                raise UserInputError(
                     f"targets may not nest: {name!r} contains {inner!r}, which another live "
                     f"registration holds; detach that registration first"
                 )
@@ -175,28 +193,31 @@ class Registration:
         and its last report kept in `descended`; the new targets start RECORDING in its place, in order.
         """
         if self._detached:
-            raise RuntimeError("descend() after detach(): register the modules again")
+            raise UsageError("descend() after detach(): register the modules again")
         if name not in self._targets:
-            raise ValueError(f"no target named {name!r}; targets: {', '.join(self._targets)}")
+            raise UserInputError(f"no target named {name!r}; targets: {', '.join(self._targets)}")
         parent = self._targets[name]
         new_modules = _collect(dict(children))
         inside = {id(m) for m in parent.module.modules() if m is not parent.module}
         for child_name, module in new_modules.items():
             if id(module) not in inside:
-                raise ValueError(f"{child_name!r} is not inside {name!r}; descend() takes modules inside the target")
+                raise UserInputError(
+                    f"{child_name!r} is not inside {name!r}; descend() takes modules inside the target"
+                )
             if child_name in self._targets:
-                raise ValueError(f"a target named {child_name!r} exists already")
+                raise UserInputError(f"a target named {child_name!r} exists already")
         report = parent.report()
         parent.uninstall()
         del _HELD[parent.module]
-        new_targets = {child_name: Target(child_name, module, self) for child_name, module in new_modules.items()}
+        new_targets = {
+            child_name: Target(child_name, module, self._context) for child_name, module in new_modules.items()
+        }
         try:
             self._check_free(new_modules)
             self._check_not_nested(new_modules)
             self._install(list(new_targets.values()))
         except BaseException:  # all or nothing: the parent goes back, as it was
-            parent.install()
-            parent.state = TargetState.RECORDING
+            parent.install()  # back to RECORDING
             _HELD[parent.module] = parent
             raise
         self.descended[name] = report
@@ -223,10 +244,7 @@ class Registration:
     @property
     def state_counts(self) -> dict[str, int]:
         """State name -> number of targets in it."""
-        counts: dict[str, int] = {}
-        for target in self._targets.values():
-            counts[str(target.state)] = counts.get(str(target.state), 0) + 1
-        return counts
+        return dict(collections.Counter(str(target.state) for target in self._targets.values()))
 
     @property
     def all_tuned(self) -> bool:
@@ -240,7 +258,7 @@ class Registration:
     def tune(self) -> Registration:
         """Arm tuning: each target tunes at its next forward call, inside the caller's own flow."""
         if self._detached:
-            raise RuntimeError(
+            raise UsageError(
                 "tune() after detach(): this registration no longer holds its modules; register them again"
             )
         for target in self._targets.values():
@@ -279,8 +297,8 @@ class Registration:
             target.uninstall()
             if _HELD.get(target.module) is target:
                 del _HELD[target.module]
-        self._close_progress()
-        self._shared_decisions.clear()
+        self._context.progress.close()
+        self._context.decisions.clear()
         self._detached = True
 
     def __enter__(self) -> Registration:
@@ -292,31 +310,6 @@ class Registration:
     def __repr__(self) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in sorted(self.state_counts.items()))
         return f"<Registration of {len(self._targets)} target(s): {counts}>"
-
-    # -- progress (called by targets) ---------------------------------------------------------------
-    def _tuning_started(self, target: Target) -> None:
-        if self._progress is None:
-            pending = sum(1 for t in self._targets.values() if t.armed or t.state is TargetState.TUNING)
-            self._progress = tqdm(
-                total=max(pending, 1),
-                desc="aitune_hf tuning",
-                unit="target",
-                disable=not self.config.progress,
-                leave=False,
-            )
-        self._progress.set_postfix_str(target.name, refresh=True)
-
-    def _tuning_finished(self, target: Target) -> None:
-        if self._progress is None:
-            return
-        self._progress.update(1)
-        if not any(t.armed or t.state is TargetState.TUNING for t in self._targets.values()):
-            self._close_progress()
-
-    def _close_progress(self) -> None:
-        if self._progress is not None:
-            self._progress.close()
-            self._progress = None
 
 
 def _splice(table: dict[str, Any], name: str, replacement: dict[str, Any]) -> dict[str, Any]:

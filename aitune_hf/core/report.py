@@ -60,6 +60,8 @@ class ModuleReport:
     signatures: list[SignatureReport] = field(default_factory=list)
     tuning_seconds: float = 0.0
     calls: dict[str, int] = field(default_factory=dict)  # backend name -> calls it served
+    changes: list[str] = field(default_factory=list)  # what changed, for the latest guard failures (oldest first)
+    routes: int = 0  # built routes: one per (signature, guarded module state)
 
     @property
     def backend(self) -> str:
@@ -123,6 +125,9 @@ class TuningReport:
             if shared:  # the timings shown are the sibling's: this block was checked, not timed
                 note = f"{note}; " if note else ""
                 note += f"decision and timings shared with {shared}"
+            if report.changes:  # a guard failed: say what changed since the backend was built
+                note = f"{note}; " if note else ""
+                note += f"changed since built: {report.changes[-1]} ({report.routes} route(s))"
             rows.append(
                 [
                     report.name,

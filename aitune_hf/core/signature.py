@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import enum
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +48,11 @@ class InputSignature:
     @property
     def devices(self) -> frozenset[torch.device]:
         return frozenset(spec.device for spec in self.tensor_specs)
+
+    @property
+    def opaque_leaves(self) -> tuple[Any, ...]:
+        """The leaves that are objects, not tensors or plain values (shown by type name)."""
+        return tuple(leaf for leaf in self.leaves if isinstance(leaf, _OpaqueLeaf))
 
     @property
     def has_opaque_leaves(self) -> bool:
@@ -99,32 +107,124 @@ def _tensor_bytes(leaves: list[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
+#: What a faithful snapshot may hold: deepcopy copies tensors and containers exactly, and keeps these by reference.
+_SHARED_IN_COPIES = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType, enum.Enum)
+_MAX_NODES = 100_000
+#: Leaves copied as values (tensors cloned); every other leaf is an object input.
+_VALUE_LEAVES = (torch.Tensor, *_SCALAR_TYPES)
+
+
+def unreplayable_reason(obj: Any) -> str | None:
+    """Why `obj` (an input that is not a tensor or a plain value) cannot be snapshotted faithfully, or None.
+
+    A faithful snapshot is a `copy.deepcopy` that shares nothing mutable with the user's object: the object
+    graph may hold tensors, plain values, containers, generators and plain objects (a Transformers `Cache`),
+    but no `nn.Module` (a copy would duplicate weights and drop hooks) and nothing deepcopy cannot copy.
+    """
+    stack, seen = [obj], set()
+    while stack:
+        value = stack.pop()
+        if id(value) in seen or isinstance(value, (*_SCALAR_TYPES, *_SHARED_IN_COPIES, torch.Tensor, torch.Generator)):
+            continue
+        seen.add(id(value))
+        if len(seen) > _MAX_NODES:
+            return f"{type(obj).__name__} is too large to snapshot"
+        if isinstance(value, torch.nn.Module):
+            return f"{type(obj).__name__} holds a module ({type(value).__name__}); it cannot be snapshotted"
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple | set | frozenset):
+            stack.extend(value)
+        elif hasattr(value, "__dict__") or hasattr(value, "__slots__"):
+            state = dict(getattr(value, "__dict__", {}))
+            for slot in getattr(type(value), "__slots__", ()):
+                if hasattr(value, slot):
+                    state[slot] = getattr(value, slot)
+            stack.extend(state.values())
+        else:
+            return f"{type(obj).__name__} holds a {type(value).__name__}, which cannot be snapshotted"
+    return None
+
+
+def state_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors inside an object input, in a deterministic order: what a call's side effects changed."""
+    found: list[torch.Tensor] = []
+    stack, seen = [obj], set()
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+            continue
+        if id(value) in seen or isinstance(value, (*_SCALAR_TYPES, *_SHARED_IN_COPIES, torch.Generator)):
+            continue
+        seen.add(id(value))
+        if isinstance(value, dict):
+            stack.extend(reversed(list(value.values())))
+        elif isinstance(value, list | tuple):
+            stack.extend(reversed(value))
+        elif hasattr(value, "__dict__"):
+            stack.extend(reversed(list(vars(value).values())))
+    return found
+
+
 def _clone_leaf(leaf: Any) -> Any:
     return leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
 
 
 @dataclass
 class Sample:
-    """A captured call: detached copies of its tensors, plain values as they were."""
+    """A captured call: detached copies of its tensors, plain values as they were, snapshots of objects.
+
+    Object inputs (a Transformers `Cache`, a generator) are snapshotted when the call is captured, and every
+    replay (`as_call`) gets a fresh copy of the snapshot: tuning never touches the object the user holds, and
+    each replay starts from the state the real call saw. `unreplayable` says why a call cannot be replayed at
+    all (it held an object that cannot be copied faithfully); such a sample is never run.
+    """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     nbytes: int
+    stateful: bool = False
+    unreplayable: str | None = None
 
     @staticmethod
     def nbytes_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        """Bytes that capturing this call would copy."""
+        """Bytes that capturing this call would copy (tensor leaves)."""
         return _tensor_bytes(pytree.tree_leaves((args, kwargs)))
 
     @classmethod
     def capture(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sample:
-        """Detached copies of the call's tensors (so later in-place edits by the caller cannot alter them)."""
+        """Copy the call's inputs so that later edits by the caller cannot alter them."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         nbytes = _tensor_bytes(leaves)
+        objects = [leaf for leaf in leaves if not isinstance(leaf, _VALUE_LEAVES)]
+        reason = next((r for r in map(unreplayable_reason, objects) if r is not None), None)
+        if reason is not None:
+            return cls((), {}, 0, stateful=True, unreplayable=reason)
         with torch.no_grad():
-            cloned_args, cloned_kwargs = pytree.tree_unflatten([_clone_leaf(x) for x in leaves], spec)
-        return cls(tuple(cloned_args), dict(cloned_kwargs), nbytes)
+            memo: dict[int, Any] = {}  # one memo: an object passed twice stays one object in the snapshot
+            copied = [
+                _clone_leaf(leaf) if isinstance(leaf, torch.Tensor) else copy.deepcopy(leaf, memo) for leaf in leaves
+            ]
+            cloned_args, cloned_kwargs = pytree.tree_unflatten(copied, spec)
+        return cls(tuple(cloned_args), dict(cloned_kwargs), nbytes, stateful=bool(objects))
 
     def as_call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The plain `(args, kwargs)` pair that backends receive."""
-        return self.args, self.kwargs
+        """The plain `(args, kwargs)` pair that backends receive; object inputs are fresh copies each time."""
+        if self.unreplayable is not None:
+            raise RuntimeError(f"this call cannot be replayed: {self.unreplayable}")
+        if not self.stateful:
+            return self.args, self.kwargs
+        leaves, spec = pytree.tree_flatten((self.args, self.kwargs))
+        memo: dict[int, Any] = {}
+        with torch.no_grad():
+            fresh = [leaf if isinstance(leaf, _VALUE_LEAVES) else copy.deepcopy(leaf, memo) for leaf in leaves]
+        args, kwargs = pytree.tree_unflatten(fresh, spec)
+        return tuple(args), dict(kwargs)
+
+    def objects_of(self, call: tuple[tuple[Any, ...], dict[str, Any]]) -> list[Any]:
+        """The object inputs of a call made by `as_call` (whose side effects a check compares)."""
+        if not self.stateful:
+            return []
+        return [leaf for leaf in pytree.tree_leaves(call) if not isinstance(leaf, _VALUE_LEAVES)]

@@ -10,22 +10,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.utils._pytree as pytree
 
-from aitune_hf.backends.base import Backend, BuiltBackend, get_backend
+from aitune_hf.backends.base import Backend, BuiltBackend, Call, get_backend
 from aitune_hf.core.checks import compare_outputs
+from aitune_hf.core.guards import ModuleGuard
 from aitune_hf.core.report import CandidateResult, SignatureReport
-from aitune_hf.core.signature import InputSignature, Sample
+from aitune_hf.core.signature import InputSignature, Sample, state_tensors
 from aitune_hf.core.timing import Stopwatch, time_interleaved
-from aitune_hf.core.weights import WeightsFingerprint
+from aitune_hf.errors import ConfigError, TuningError
 
 if TYPE_CHECKING:
     from aitune_hf.core.config import TuningConfig
 
 logger = logging.getLogger(__name__)
-
-
-class TuningError(RuntimeError):
-    """Raised by `OneBackend` when its backend cannot serve a target (the target stays eager)."""
 
 
 @dataclass
@@ -35,10 +33,23 @@ class Decision:
     backend: Backend | None
     built: BuiltBackend | None
     report: SignatureReport
+    guard: ModuleGuard | None = None  # what the built backend depends on (None for eager)
+
+
+class NoEvidence(Exception):
+    """No sample of a signature can serve as evidence (non-finite eager output, or not replayable)."""
 
 
 class TuningJob:
-    """Everything a strategy needs to tune one signature of one target."""
+    """Everything a strategy needs to tune one signature of one target.
+
+    Replays never touch what the user holds: each replay gets fresh copies of object inputs (`Sample.as_call`),
+    and a candidate's check compares both its outputs and what it did to those objects (a KV cache it
+    updates) with eager's. A sample whose eager output is not finite is no evidence and is dropped.
+
+    Raises:
+        NoEvidence: no sample is left to check candidates against.
+    """
 
     def __init__(
         self,
@@ -52,15 +63,38 @@ class TuningJob:
         self.module = module
         self.forward = forward
         self.signature = signature
-        self.calls = [s.as_call() for s in samples]
         self.config = config
         self.restriction = restriction
         self.devices = sorted(signature.devices, key=str)
-        self.report = SignatureReport(signature=signature.short(), samples=len(self.calls))
-        #: Weight fingerprints of the built candidates that bake weights, by backend name.
-        self.fingerprints: dict[str, WeightsFingerprint] = {}
+        replayable = [s for s in samples if s.unreplayable is None]
+        if not replayable:
+            reasons = sorted({s.unreplayable for s in samples if s.unreplayable})
+            raise NoEvidence(f"recorded calls cannot be replayed: {'; '.join(reasons)}")
+        self.samples: list[Sample] = []
+        self.references: list[Any] = []
         with self.mode():
-            self.references = [forward(*args, **kwargs) for args, kwargs in self.calls]
+            for sample in replayable:
+                call = sample.as_call()
+                reference = self._observe(sample, call, forward(*call[0], **call[1]))
+                if _all_finite(reference):
+                    self.samples.append(sample)
+                    self.references.append(reference)
+        if not self.samples:
+            raise NoEvidence(
+                f"no finite eager reference: all {len(replayable)} recorded call(s) gave non-finite outputs"
+            )
+        self.report = SignatureReport(signature=signature.short(), samples=len(self.samples))
+        #: Guards of the built candidates, by backend name (what each depends on besides its inputs).
+        self.guards: dict[str, ModuleGuard] = {}
+
+    def fresh_calls(self) -> list[Call]:
+        """The samples as `(args, kwargs)`, object inputs copied afresh."""
+        return [sample.as_call() for sample in self.samples]
+
+    def _observe(self, sample: Sample, call: Call, output: Any) -> Any:
+        """What a replay produced: its output, plus the tensors of the object inputs it may have changed."""
+        objects = sample.objects_of(call)
+        return (output, [state_tensors(obj) for obj in objects]) if objects else output
 
     @contextlib.contextmanager
     def mode(self) -> Iterator[None]:
@@ -79,8 +113,9 @@ class TuningJob:
                 "calls run with autograd enabled and this backend cannot backpropagate "
                 "(call under torch.inference_mode() or torch.no_grad() to allow it)"
             )
-        if reason is None and self.signature.has_opaque_leaves and backend.bakes_weights:
-            reason = "inputs hold non-tensor objects that this backend would bake in as constants"
+        if reason is None and self.signature.has_opaque_leaves and not backend.accepts_objects:
+            objects = ", ".join(sorted({str(leaf) for leaf in self.signature.opaque_leaves}))
+            reason = f"inputs hold objects ({objects}) that this backend cannot take"
         return reason
 
     def try_backend(self, backend: Backend) -> tuple[CandidateResult, BuiltBackend | None]:
@@ -93,24 +128,25 @@ class TuningJob:
             return result, None
         try:
             with Stopwatch() as watch, self.mode():
-                built = backend.build(self.module, self.forward, self.calls)
+                built = backend.build(self.module, self.forward, self.fresh_calls())
             result.build_seconds = watch.seconds
             worst = 0.0
             with self.mode():
-                for (args, kwargs), reference in zip(self.calls, self.references, strict=True):
-                    check = compare_outputs(reference, built.fn(*args, **kwargs), self.config.tolerance)
+                for sample, reference in zip(self.samples, self.references, strict=True):
+                    call = sample.as_call()
+                    observed = self._observe(sample, call, built.fn(*call[0], **call[1]))
+                    check = compare_outputs(reference, observed, self.config.tolerance)
                     worst = max(worst, check.max_abs_error)
                     if not check.ok:
                         result.max_abs_error = check.max_abs_error
                         result.error = f"wrong output: {check.reason}"
                         return result, None
             result.max_abs_error = worst
-            if built.bakes_weights:
-                self.fingerprints[result.backend] = WeightsFingerprint(self.module)
+            self.guards[result.backend] = ModuleGuard(self.module, weights=built.bakes_weights)
             return result, built
         except Exception as error:  # a failing backend is a finding, not a crash
             logger.debug("%s failed on %s", backend.describe(), self.signature, exc_info=True)
-            result.error = f"{type(error).__name__}: {_first_line(error)}"
+            result.error = f"{type(error).__name__}: {first_line(error)}"
             return result, None
 
     def time(self, candidates: Sequence[tuple[CandidateResult, BuiltBackend]]) -> list[CandidateResult]:
@@ -119,16 +155,18 @@ class TuningJob:
         Returns the candidates that survived; one that raised while being timed gets its error recorded.
         """
         fns = {"eager": self.forward} | {result.backend: self.serving(result, built) for result, built in candidates}
+        stateful = any(sample.stateful for sample in self.samples)
+        calls = self.fresh_calls if stateful else self.fresh_calls()
         with self.mode():
             latencies, failures = time_interleaved(
-                fns, self.calls, self.devices, self.config.warmup, self.config.repeats, baseline="eager"
+                fns, calls, self.devices, self.config.warmup, self.config.repeats, baseline="eager"
             )
         self.report.eager_latency_s = latencies["eager"]
         survivors = []
         for result, _ in candidates:
             if result.backend in failures:
                 error = failures[result.backend]
-                result.error = f"failed while timed: {type(error).__name__}: {_first_line(error)}"
+                result.error = f"failed while timed: {type(error).__name__}: {first_line(error)}"
                 continue
             result.latency_s = latencies[result.backend]
             result.speedup = latencies["eager"] / result.latency_s if result.latency_s else None
@@ -136,16 +174,14 @@ class TuningJob:
         return survivors
 
     def serving(self, result: CandidateResult, built: BuiltBackend) -> Callable[..., Any]:
-        """The candidate as it will serve: with the weight check that guards a backend that baked weights."""
-        fingerprint = self.fingerprints.get(result.backend)
-        if fingerprint is None:
-            return built.fn
+        """The candidate as it will serve: behind its guard check, whose cost is part of what is timed."""
+        guard = self.guards[result.backend]
 
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            fingerprint.changed()
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            guard.check()
             return built.fn(*args, **kwargs)
 
-        return checked
+        return guarded
 
     def keep_eager(self, reason: str) -> Decision:
         self.report.chosen, self.report.reason = "eager", reason
@@ -153,13 +189,22 @@ class TuningJob:
 
     def choose(self, backend: Backend, result: CandidateResult, built: BuiltBackend) -> Decision:
         self.report.chosen, self.report.reason = result.backend, None
-        return Decision(backend, built, self.report)
+        return Decision(backend, built, self.report, self.guards[result.backend])
 
     def failures(self) -> str:
         return "; ".join(f"{c.backend}: {c.error}" for c in self.report.candidates if c.error)
 
 
-def _first_line(error: BaseException) -> str:
+def _all_finite(value: Any) -> bool:
+    """True when every floating-point (or complex) tensor in `value` is finite."""
+    for leaf in pytree.tree_leaves(value):
+        floating = isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+        if floating and not bool(torch.isfinite(leaf).all()):
+            return False
+    return True
+
+
+def first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0][:300] if text else ""
 
@@ -233,14 +278,15 @@ class FirstWins(Strategy):
 
 
 class OneBackend(Strategy):
-    """Use exactly one backend whenever it is correct, whatever its speed; its failure is raised."""
+    """Use exactly one backend whenever it is correct, whatever its speed; where it fails, the target stays eager
+    and the report (and a warning) says why. A backend unavailable on the registered devices raises at once."""
 
     name = "one_backend"
 
     def __init__(self, backend: str | Backend) -> None:
         self.backend = get_backend(backend)
         if self.backend.name == "eager":
-            raise ValueError("OneBackend('eager') would tune nothing; register nothing instead")
+            raise ConfigError("OneBackend('eager') would tune nothing; register nothing instead")
 
     def candidates(self, config: TuningConfig) -> list[Backend]:
         return [self.backend]
@@ -248,19 +294,16 @@ class OneBackend(Strategy):
     def validate(self, config: TuningConfig, devices: frozenset[torch.device]) -> None:
         reason = self.backend.unavailable_reason(devices)
         if reason is not None:
-            raise RuntimeError(
+            raise TuningError(
                 f"strategy OneBackend({self.backend.describe()!r}) needs a backend that is unavailable here: {reason}"
             )
 
     def decide(self, job: TuningJob, backends: Sequence[Backend]) -> Decision:
         result, built = job.try_backend(self.backend)
-        if built is None:
-            job.keep_eager(f"{result.backend} failed: {result.error}")
-            raise TuningError(f"OneBackend({result.backend!r}) cannot serve this target: {result.error}")
-        if not job.time([(result, built)]):
-            job.keep_eager(f"{result.backend} failed: {result.error}")
-            raise TuningError(f"OneBackend({result.backend!r}) cannot serve this target: {result.error}")
-        return job.choose(self.backend, result, built)
+        if built is not None and job.time([(result, built)]):
+            return job.choose(self.backend, result, built)
+        logger.warning("OneBackend(%r) cannot serve this target: %s", result.backend, result.error)
+        return job.keep_eager(f"OneBackend({result.backend!r}) cannot serve this target: {result.error}")
 
     def __repr__(self) -> str:
         return f"OneBackend({self.backend.describe()!r})"
@@ -283,7 +326,7 @@ def resolve_strategy(spec: str | Strategy) -> Strategy:
         return spec
     if isinstance(spec, str) and spec in STRATEGIES:
         return STRATEGIES[spec]()
-    raise ValueError(
+    raise ConfigError(
         f"unknown strategy {spec!r}; valid: {', '.join(STRATEGIES)}, or a Strategy instance "
         f"such as OneBackend('onnxruntime')"
     )

@@ -1,39 +1,57 @@
 """`Target`: one registered module, its forward router, and its state machine.
 
-RECORDING -> TUNING -> TUNED | EAGER -> DETACHED. The router replaces the forward (never the module): it
-records calls, tunes when armed, and then serves each call whose signature was tuned from the chosen
-backend; any other call runs eager and is recorded for a later tune.
+States (`TargetState`, the one source of truth, changed only through `Target._move`):
+
+    RECORDING --arm--> ARMED --next call--> TUNING --> TUNED | EAGER | RECORDING (no evidence yet)
+    TUNED / EAGER --arm (tune(), or a guard failure with `retune`)--> ARMED
+    any --detach--> DETACHED;  any --pin_eager--> EAGER (for good)
+
+Routes: after tuning, each input signature has routes, each a backend built in one module state, behind a
+`ModuleGuard` that says whether that state still holds. A call is served by the first route of its
+signature whose guard holds. When none holds, the module state changed since the route was built (a LoRA
+scale, FreeU, an adapter, an edited weight): the call runs eager at once, is recorded, and with
+`config.retune` the target re-tunes at its next call, adding a route for the new state. Routes per target
+are bounded by `config.max_routes`; beyond that, calls in new states run eager and the report says why.
+
+Tuning is contained: only KeyboardInterrupt / SystemExit leave it. Anything else that goes wrong while
+recording, computing references, building, checking or timing leaves the signature eager with the reason,
+and the user's call returns the eager output.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import enum
 import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from aitune_hf.backends.base import Backend, BuiltBackend
+from aitune_hf.core.context import TuningContext
+from aitune_hf.core.guards import ModuleGuard
 from aitune_hf.core.report import ModuleReport, SignatureReport
 from aitune_hf.core.signature import InputSignature, Sample, signature_of
 from aitune_hf.core.slots import ForwardSlot, all_slots, locate_slot
-from aitune_hf.core.strategy import Decision, TuningError, TuningJob
+from aitune_hf.core.strategy import Decision, NoEvidence, TuningJob, first_line
 from aitune_hf.core.timing import Stopwatch
-
-if TYPE_CHECKING:
-    from aitune_hf.core.registration import Registration
-    from aitune_hf.core.weights import WeightsFingerprint
+from aitune_hf.errors import UsageError
 
 logger = logging.getLogger(__name__)
+
+#: Guard failures kept per target for the report (most recent last).
+_CHANGES_KEPT = 5
 
 
 class TargetState(str, enum.Enum):
     """Where a target is in its life."""
 
     RECORDING = "recording"
+    ARMED = "armed"
     TUNING = "tuning"
     TUNED = "tuned"
     EAGER = "eager"
@@ -43,19 +61,40 @@ class TargetState(str, enum.Enum):
         return self.value
 
 
+_S = TargetState
+#: The transitions `Target._move` allows (to the same state is always allowed).
+_TRANSITIONS: dict[TargetState, frozenset[TargetState]] = {
+    _S.RECORDING: frozenset({_S.ARMED, _S.EAGER, _S.DETACHED}),
+    _S.ARMED: frozenset({_S.TUNING, _S.TUNED, _S.EAGER, _S.RECORDING, _S.DETACHED}),
+    _S.TUNING: frozenset({_S.TUNED, _S.EAGER, _S.RECORDING, _S.ARMED, _S.DETACHED}),
+    _S.TUNED: frozenset({_S.ARMED, _S.EAGER, _S.RECORDING, _S.DETACHED}),
+    _S.EAGER: frozenset({_S.ARMED, _S.TUNED, _S.RECORDING, _S.DETACHED}),
+    _S.DETACHED: frozenset({_S.RECORDING}),  # only to undo a failed descend()
+}
+
+
 @dataclass
 class _Route:
-    """How calls of one signature are served once decided."""
+    """How calls of one signature are served in one module state."""
 
     backend: Backend | None  # None: eager
     built: BuiltBackend | None
     report: SignatureReport
-    fingerprint: WeightsFingerprint | None = None  # set when the backend baked the weights
-    stale: bool = False  # dropped after a failure or a weight change: eager, recorded, re-tuned by tune()
+    guard: ModuleGuard | None  # None: holds in every state (an eager decision)
+
+    def holds(self) -> str | None:
+        """None when this route may serve now, else what changed."""
+        return None if self.guard is None else self.guard.check()
 
 
 class _ForwardRouter:
-    """The callable that sits in the forward slot; after detach it is a plain pass-through."""
+    """The callable that sits in the forward slot; after detach it is a plain pass-through.
+
+    A copy of a module (`copy.deepcopy`, pickle, `torch.save`) gets the eager forward in its place, never
+    this router: a copy is never served by the original's built backends.
+    """
+
+    _aitune_guard_opaque = True  # guards compare the router by identity, never its state
 
     def __init__(self, target: Target, original: Callable[..., Any]) -> None:
         self._target = target
@@ -64,6 +103,12 @@ class _ForwardRouter:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._target.call(*args, **kwargs)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self._target.original_forward, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._target.original_forward.__reduce_ex__(protocol)
+
     def __repr__(self) -> str:
         return f"<aitune_hf forward router of {self._target.name!r} ({self._target.state})>"
 
@@ -71,24 +116,57 @@ class _ForwardRouter:
 class Target:
     """One registered module. Created and installed by `register`; read through `Registration`."""
 
-    def __init__(self, name: str, module: torch.nn.Module, registration: Registration) -> None:
+    def __init__(self, name: str, module: torch.nn.Module, context: TuningContext) -> None:
         self.name = name
         self.module = module
-        self._registration = registration
-        self.state = TargetState.RECORDING
-        self.reason: str | None = None
-        self.armed = False
+        self._context = context
+        self._state = TargetState.RECORDING
+        self._reason: str | None = None
+        self._pinned: str | None = None  # why this target cannot be tuned where it stands (set once)
+        self._no_evidence: str | None = None  # why the last tuning found no sample to check against
+        self._restrictions: list[tuple[Callable[[Backend], bool], str]] = []
+        #: Recorded calls not yet tuned, by signature.
         self.samples: dict[InputSignature, list[Sample]] = {}
         self.sample_bytes = 0
         self.calls_recorded = 0
         self.tuning_seconds = 0.0
         self.calls_served: dict[str, int] = {}
-        self._routes: dict[InputSignature, _Route] = {}
-        self._pinned_reason: str | None = None
-        self._restrictions: list[tuple[Callable[[Backend], bool], str]] = []
+        #: What changed, for the most recent guard failures.
+        self.changes: collections.deque[str] = collections.deque(maxlen=_CHANGES_KEPT)
+        self._routes: dict[InputSignature, list[_Route]] = {}
         self._slot: ForwardSlot | None = None
         self._original: Callable[..., Any] | None = None
         self._router: _ForwardRouter | None = None
+
+    # -- state --------------------------------------------------------------------------------------
+    @property
+    def state(self) -> TargetState:
+        return self._state
+
+    @property
+    def reason(self) -> str | None:
+        """Why the target is eager (or why tuning has nothing to work with yet), else None."""
+        return self._reason
+
+    def _move(self, to: TargetState, reason: str | None = None) -> None:
+        if to is not self._state and to not in _TRANSITIONS[self._state]:
+            raise AssertionError(f"{self.name}: no transition {self._state} -> {to}")
+        self._state, self._reason = to, reason
+
+    @property
+    def armed(self) -> bool:
+        """True when the target tunes at its next forward call."""
+        return self._state is TargetState.ARMED
+
+    @property
+    def decided(self) -> bool:
+        """True once the target reached TUNED or EAGER."""
+        return self._state in (TargetState.TUNED, TargetState.EAGER)
+
+    @property
+    def pinned_reason(self) -> str | None:
+        """Why this target is kept eager for good, or None."""
+        return self._pinned
 
     # -- installation -------------------------------------------------------------------------------
     def install(self) -> None:
@@ -97,22 +175,23 @@ class Target:
         self._original = self._slot.read()
         self._router = _ForwardRouter(self, self._original)
         self._slot.write(self._router)
+        if self._state is TargetState.DETACHED:
+            self._move(TargetState.RECORDING)
 
     def uninstall(self) -> None:
         """Take the router out wherever hooks have moved it; it stays a pass-through if it is still held."""
-        if self._router is None or self._slot is None or self._original is None:
-            self.state = TargetState.DETACHED
-            return
-        if self._slot.read() is self._router:
-            self._slot.restore(self._original)
-        else:
-            for slot in all_slots(self.module):
-                if slot.read() is self._router:
-                    slot.write(self._original)
-                    break
-        self.state = TargetState.DETACHED
+        if self._router is not None and self._slot is not None and self._original is not None:
+            if self._slot.read() is self._router:
+                self._slot.restore(self._original)
+            else:
+                for slot in all_slots(self.module):
+                    if slot.read() is self._router:
+                        slot.write(self._original)
+                        break
+        self._move(TargetState.DETACHED)
         self._routes.clear()
         self.samples.clear()
+        self.sample_bytes = 0
 
     @property
     def original_forward(self) -> Callable[..., Any]:
@@ -126,18 +205,19 @@ class Target:
 
     # -- control ------------------------------------------------------------------------------------
     def arm(self) -> None:
-        """Tune at the next forward call."""
-        if self.state is TargetState.DETACHED:
-            raise RuntimeError(f"target {self.name!r} is detached; register it again to tune it")
-        if self._pinned_reason is None:
-            self.armed = True
+        """Tune at the next forward call (stale and new signatures; routes that hold keep serving)."""
+        if self._state is TargetState.DETACHED:
+            raise UsageError(f"target {self.name!r} is detached; register it again to tune it")
+        if self._pinned is None and self._state is not TargetState.TUNING:
+            self._move(TargetState.ARMED, self._reason)
 
     def pin_eager(self, reason: str) -> None:
         """Keep this target eager for good (it cannot be tuned where it stands); `reason` is reported."""
-        self._pinned_reason = reason
+        self._pinned = reason
         self._routes.clear()
         self.samples.clear()
-        self.state, self.reason = TargetState.EAGER, reason
+        self.sample_bytes = 0
+        self._move(TargetState.EAGER, reason)
 
     def restrict(self, allow: Callable[[Backend], bool], reason: str) -> None:
         """Only backends for which `allow(backend)` holds may serve this target; the others are reported
@@ -148,61 +228,55 @@ class Target:
         """Why this target rules `backend` out, or None."""
         return next((reason for allow, reason in self._restrictions if not allow(backend)), None)
 
-    @property
-    def pinned_reason(self) -> str | None:
-        """Why this target is kept eager for good, or None."""
-        return self._pinned_reason
-
-    @property
-    def decided(self) -> bool:
-        """True once the target reached TUNED or EAGER."""
-        return self.state in (TargetState.TUNED, TargetState.EAGER)
-
     # -- the forward path ---------------------------------------------------------------------------
     def call(self, *args: Any, **kwargs: Any) -> Any:
         """Route one forward call."""
-        state = self.state
-        if (
-            state is TargetState.DETACHED
-            or state is TargetState.TUNING
-            or self._pinned_reason is not None
-            or self._registration.bypassed
-        ):
+        state = self._state
+        if state is TargetState.DETACHED or state is TargetState.TUNING or self._pinned or self._context.bypassed():
             return self.original_forward(*args, **kwargs)
         signature = signature_of(args, kwargs)
-        route = self._routes.get(signature)
-        if route is not None and route.built is not None:
-            return self._serve(route, signature, args, kwargs)
-        armed = self.armed  # armed before this call: tune now (recording may arm for the next call)
-        if route is None or route.stale:
-            self._record(signature, args, kwargs)
-        if armed:
+        route, change = self._lookup(signature)
+        if route is None:
+            if change is not None:
+                self._changed(change)
+            if self._accepts_samples(signature):
+                self._record(signature, args, kwargs)
+        if state is TargetState.ARMED:  # armed before this call: tune now, inside the caller's flow
             self._tune()
-            route = self._routes.get(signature)
-            if route is not None and route.built is not None:
-                return self._serve(route, signature, args, kwargs)
+            if route is None:
+                route, _ = self._lookup(signature)
+        if route is not None and route.built is not None:
+            return self._serve(signature, route, args, kwargs)
         self._count("eager")
         return self.original_forward(*args, **kwargs)
 
-    def _serve(self, route: _Route, signature: InputSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _lookup(self, signature: InputSignature) -> tuple[_Route | None, str | None]:
+        """The first route of `signature` whose guard holds; else (None, what changed, if it has routes)."""
+        routes = self._routes.get(signature)
+        if not routes:
+            return None, None
+        change = None
+        for route in routes:
+            failed = route.holds()
+            if failed is None:
+                return route, None
+            change = change or failed
+        return None, change
+
+    def _serve(self, signature: InputSignature, route: _Route, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         assert route.built is not None
-        if route.fingerprint is not None:
-            change = route.fingerprint.changed()
-            if change is not None:
-                self._drop_route(
-                    signature,
-                    f"weights changed since {route.report.chosen} was built ({change}); "
-                    "running eager until tune() is called again",
-                )
-                self._record(signature, args, kwargs)
-                return self.original_forward(*args, **kwargs)
         try:
             output = route.built.fn(*args, **kwargs)
         except Exception as error:
             logger.warning(
                 "%s: %s raised while serving; falling back to eager", self.name, route.report.chosen, exc_info=True
             )
-            self._drop_route(signature, f"{route.report.chosen} raised while serving: {type(error).__name__}: {error}")
+            failure = f"{type(error).__name__}: {first_line(error)}"
+            route.report.reason = f"{route.report.chosen} raised while serving: {failure}"
+            route.report.chosen = "eager"
+            route.backend, route.built = None, None  # this state is served eager from now on
+            self._settle()
+            self._count("eager")
             return self.original_forward(*args, **kwargs)
         self._count(route.report.chosen)
         return output
@@ -210,78 +284,110 @@ class Target:
     def _count(self, backend: str) -> None:
         self.calls_served[backend] = self.calls_served.get(backend, 0) + 1
 
-    def _drop_route(self, signature: InputSignature, reason: str) -> None:
-        """Serve `signature` eager from now on, record it again, and say why."""
-        report = self._routes[signature].report
-        report.chosen, report.reason = "eager", reason
-        self._routes[signature] = _Route(None, None, report, stale=True)
-        self._update_state()
+    def _route_count(self) -> int:
+        return sum(1 for routes in self._routes.values() for route in routes if route.guard is not None)
+
+    def _changed(self, change: str) -> None:
+        """A guard failed: the module changed since the signature's routes were built. Re-tune later, if allowed."""
+        if not self.changes or self.changes[-1] != change:
+            self.changes.append(change)
+            logger.info("%s: %s; running eager until re-tuned", self.name, change)
+        limit = self._context.config.max_routes
+        if self._route_count() >= limit:
+            return
+        if self._context.config.retune and self._state in (TargetState.TUNED, TargetState.EAGER):
+            self._move(TargetState.ARMED, self._reason)
+
+    def _accepts_samples(self, signature: InputSignature) -> bool:
+        """Record this call? Not when it could not get a route anyway (the route bound is reached)."""
+        return not (self._routes.get(signature) and self._route_count() >= self._context.config.max_routes)
 
     def _record(self, signature: InputSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        config = self._registration.config
+        config = self._context.config
         self.calls_recorded += 1
-        kept = self.samples.setdefault(signature, [])
-        if len(kept) < config.max_samples_per_signature:
-            nbytes = Sample.nbytes_of(args, kwargs)
-            if self.sample_bytes + nbytes <= config.max_sample_bytes or not kept:
-                kept.append(Sample.capture(args, kwargs))
-                self.sample_bytes += nbytes
-        if config.after_calls and self.state is TargetState.RECORDING and self.calls_recorded >= config.after_calls:
-            self.armed = True
+        try:
+            kept = self.samples.setdefault(signature, [])
+            if len(kept) < config.max_samples_per_signature:
+                nbytes = Sample.nbytes_of(args, kwargs)
+                if self.sample_bytes + nbytes <= config.max_sample_bytes or not kept:
+                    kept.append(Sample.capture(args, kwargs))
+                    self.sample_bytes += nbytes
+        except Exception:  # recording must never break the user's call
+            logger.warning("%s: could not record a call; it is not used for tuning", self.name, exc_info=True)
+        if config.after_calls and self._state is TargetState.RECORDING and self.calls_recorded >= config.after_calls:
+            self._move(TargetState.ARMED)
 
     # -- tuning -------------------------------------------------------------------------------------
     def _tune(self) -> None:
-        """Tune every recorded signature that has no route yet. Leaves a working state if interrupted."""
-        self.armed = False
-        pending = [sig for sig in self.samples if sig not in self._routes or self._routes[sig].stale]
+        """Tune every signature with recorded calls. Contained: only KeyboardInterrupt / SystemExit leave it,
+        and they leave a working state (routes that hold keep serving; the rest runs eager)."""
+        pending = [signature for signature, kept in self.samples.items() if kept]
         if not pending:
+            self._settle()
             return
-        previous_state = self.state
-        self.state = TargetState.TUNING
-        registration = self._registration
-        registration._tuning_started(self)
-        completed = False
+        self._move(TargetState.TUNING)
+        self._context.progress.started(self.name)
+        interrupted = None
         try:
             with Stopwatch() as watch:
                 for signature in pending:
-                    self._routes[signature] = self._decide(signature)
-                    self.samples.pop(signature, None)
+                    self._decide(signature, self.samples[signature])
+                    del self.samples[signature]  # released once decided; kept if interrupted
             self.tuning_seconds += watch.seconds
-            completed = True
-        except TuningError:
-            completed = True
+        except BaseException:  # KeyboardInterrupt / SystemExit: _decide contains everything else
+            interrupted = "tuning was interrupted; call tune() to try again"
             raise
         finally:
             self.sample_bytes = sum(s.nbytes for kept in self.samples.values() for s in kept)
-            if completed:
-                self._update_state()
-            else:
-                self.state = previous_state if self._routes else TargetState.RECORDING
-                self.reason = "tuning was interrupted; call tune() to try again"
-            registration._tuning_finished(self)
+            self._settle(interrupted)
+            self._context.progress.finished()
 
-    def _decide(self, signature: InputSignature) -> _Route:
-        registration = self._registration
-        config = registration.config
-        job = TuningJob(
-            self.module, self.original_forward, signature, self.samples[signature], config, self.unavailable_reason
-        )
-        sibling_key = _sibling_key(self.module, signature) if config.share_identical else None
-        shared = registration._shared_decisions.get(sibling_key) if sibling_key else None
-        decision: Decision | None = None
+    def _decide(self, signature: InputSignature, samples: list[Sample]) -> None:
+        """Add a route for `signature` in the current module state (or an eager one, with the reason)."""
+        context = self._context
+        try:
+            job = TuningJob(
+                self.module, self.original_forward, signature, samples, context.config, self.unavailable_reason
+            )
+        except NoEvidence as error:
+            self._no_evidence = str(error)  # nothing decided: record again, tune when armed again
+            logger.info("%s [%s]: %s", self.name, signature.short(), error)
+            return
+        except Exception as error:
+            reason = f"the eager forward raised when replayed for tuning: {type(error).__name__}: {first_line(error)}"
+            logger.warning("%s: %s", self.name, reason, exc_info=True)
+            self._add_route(signature, _Route(None, None, SignatureReport(signature.short(), len(samples)), None))
+            self._routes[signature][-1].report.reason = reason
+            return
+        try:
+            decision = self._shared_or_new(job, signature)
+        except Exception as error:
+            reason = f"tuning failed: {type(error).__name__}: {first_line(error)}"
+            logger.warning("%s: %s", self.name, reason, exc_info=True)
+            decision = job.keep_eager(reason)
+        logger.info("%s [%s]: %s", self.name, signature.short(), decision.report.chosen)
+        guard = decision.guard if decision.built is not None else None
+        self._add_route(signature, _Route(decision.backend, decision.built, decision.report, guard))
+
+    def _add_route(self, signature: InputSignature, route: _Route) -> None:
+        self._no_evidence = None
+        routes = self._routes.setdefault(signature, [])
+        if route.guard is None:  # an eager decision holds in every state: it replaces older eager ones
+            routes[:] = [r for r in routes if r.guard is not None]
+        routes.append(route)
+
+    def _shared_or_new(self, job: TuningJob, signature: InputSignature) -> Decision:
+        context = self._context
+        key = _sibling_key(self.module, signature) if context.config.share_identical else None
+        shared = context.decisions.get(key) if key is not None else None
         if shared is not None:
             decision = self._reuse(job, shared)
-        if decision is None:
-            try:
-                decision = registration.strategy.decide(job, registration.candidates)
-            except TuningError:
-                self._routes[signature] = _Route(None, None, job.report)
-                raise
-            if sibling_key is not None:
-                registration._shared_decisions[sibling_key] = (self.name, decision)
-        logger.info("%s [%s]: %s", self.name, signature.short(), decision.report.chosen)
-        fingerprint = job.fingerprints.get(decision.report.chosen) if decision.built is not None else None
-        return _Route(decision.backend, decision.built, decision.report, fingerprint)
+            if decision is not None:
+                return decision
+        decision = context.strategy.decide(job, context.candidates)
+        if key is not None:
+            context.decisions[key] = (self.name, decision)
+        return decision
 
     def _reuse(self, job: TuningJob, shared: tuple[str, Decision]) -> Decision | None:
         """Apply an identical sibling's decision, checked for correctness only; None to tune in full."""
@@ -300,14 +406,32 @@ class Target:
         result.latency_s, result.speedup = original.latency_s, original.speedup
         return job.choose(decision.backend, result, built)
 
-    def _update_state(self) -> None:
-        if any(route.built is not None for route in self._routes.values()):
-            self.state, self.reason = TargetState.TUNED, None
-        elif self._routes:
-            reasons = {route.report.reason for route in self._routes.values() if route.report.reason}
-            self.state, self.reason = TargetState.EAGER, "; ".join(sorted(reasons)) or None
+    def _settle(self, note: str | None = None) -> None:
+        """Leave TUNING (or re-read the routes): TUNED if a route serves, EAGER if all are eager, else RECORDING
+        (with `note`, e.g. why tuning stopped)."""
+        if self._pinned is not None:
+            return
+        routes = [route for routes in self._routes.values() for route in routes]
+        if self._state is TargetState.ARMED:
+            return  # still to tune at the next call
+        if any(route.built is not None for route in routes):
+            self._move(TargetState.TUNED, self._limit_reason())
+        elif routes:
+            reasons = {route.report.reason for route in routes if route.report.reason}
+            self._move(TargetState.EAGER, "; ".join(sorted(reasons)) or None)
+        elif self._no_evidence is not None:
+            self._move(TargetState.EAGER, self._no_evidence)
         else:
-            self.state = TargetState.RECORDING
+            self._move(TargetState.RECORDING, note)
+
+    def _limit_reason(self) -> str | None:
+        limit = self._context.config.max_routes
+        if self._route_count() >= limit and self.changes:
+            return (
+                f"{limit} routes built (max_routes); calls in a new module state run eager "
+                f"(last change: {self.changes[-1]})"
+            )
+        return None
 
     # -- reporting ----------------------------------------------------------------------------------
     def report(self) -> ModuleReport:
@@ -315,15 +439,18 @@ class Target:
         return ModuleReport(
             name=self.name,
             module_class=type(self.module).__name__,
-            state=str(self.state),
-            reason=self.reason,
-            signatures=[route.report for route in self._routes.values()],
+            state=str(self._state),
+            reason=self._reason or self._limit_reason(),
+            # The latest decision per signature (routes built for earlier module states still serve those).
+            signatures=[routes[-1].report for routes in self._routes.values() if routes],
             tuning_seconds=self.tuning_seconds,
             calls=dict(self.calls_served),
+            changes=list(self.changes),
+            routes=self._route_count(),
         )
 
     def __repr__(self) -> str:
-        return f"Target({self.name!r}, {type(self.module).__name__}, state={self.state})"
+        return f"Target({self.name!r}, {type(self.module).__name__}, state={self._state})"
 
 
 def _sibling_key(module: torch.nn.Module, signature: InputSignature) -> tuple[Any, ...]:

@@ -20,7 +20,7 @@ def _synchronize(devices: Sequence[torch.device]) -> None:
 
 def time_interleaved(
     candidates: Mapping[str, Callable[..., Any]],
-    calls: Sequence[Call],
+    calls: Sequence[Call] | Callable[[], Sequence[Call]],
     devices: Sequence[torch.device] = (),
     warmup: int = 2,
     repeats: int = 15,
@@ -31,16 +31,22 @@ def time_interleaved(
     Candidates take turns in each round (rotating who goes first), so drift in the machine's speed hits
     all of them alike: the ratio of two medians is then a fair side-by-side comparison. A candidate that
     raises is dropped from later rounds and returned in the second dict; the `baseline` raising propagates.
+    `calls` may be a function that returns fresh calls: it runs before each round, outside the clock (inputs
+    that a call mutates, such as a KV cache, start each round from the recorded state).
     """
+    make_calls = calls if callable(calls) else lambda: calls
     names = list(candidates)
     failures: dict[str, Exception] = {}
     rounds: dict[str, list[float]] = {name: [] for name in names}
+    per_call = 1
     for r in range(warmup + repeats):
         live = [name for name in names if name not in failures]
         shift = r % len(live)
         for name in live[shift:] + live[:shift]:
             try:
-                seconds = _run_round(candidates[name], calls, devices)
+                batch = make_calls()
+                per_call = max(len(batch), 1)
+                seconds = _run_round(candidates[name], batch, devices)
             except Exception as error:
                 if name == baseline:
                     raise
@@ -48,7 +54,6 @@ def time_interleaved(
                 continue
             if r >= warmup:
                 rounds[name].append(seconds)
-    per_call = max(len(calls), 1)
     latencies = {name: statistics.median(times) / per_call for name, times in rounds.items() if name not in failures}
     return latencies, failures
 

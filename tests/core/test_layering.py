@@ -11,9 +11,15 @@ PACKAGE = Path(__file__).resolve().parents[2] / "aitune_hf"
 HF_LIBRARIES = {"diffusers", "transformers", "accelerate", "huggingface_hub"}
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, runtime_only: bool = False) -> set[str]:
+    """Modules `path` imports; `runtime_only` skips `if TYPE_CHECKING:` blocks (annotations, not arrows)."""
+    tree = ast.parse(path.read_text())
+    if runtime_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+                node.body = []
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -33,7 +39,28 @@ def test_backends_import_no_other_backend_nor_core() -> None:
         if path.name in ("__init__.py", "base.py"):
             continue
         own = {name for name in _imports(path) if name.startswith("aitune_hf")}
-        assert own <= {"aitune_hf.backends.base"}, f"{path.name} imports {own}"
+        assert own <= {"aitune_hf.backends.base", "aitune_hf.errors"}, f"{path.name} imports {own}"
+
+
+def test_errors_module_is_a_leaf() -> None:
+    """Every layer raises from aitune_hf.errors, so it imports nothing of aitune_hf."""
+    assert not any(name.startswith("aitune_hf") for name in _imports(PACKAGE / "errors.py"))
+
+
+def test_no_import_cycle_inside_core() -> None:
+    """registration -> context -> strategy; target -> context: no module of core imports one that imports it."""
+    graph = {
+        path.stem: {
+            name.split(".")[-1] for name in _imports(path, runtime_only=True) if name.startswith("aitune_hf.core.")
+        }
+        for path in (PACKAGE / "core").glob("*.py")
+    }
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph.get(start, ()))
+
+    cycles = sorted(name for name in graph if reaches(name, name, set()))
+    assert not cycles, f"import cycles through {cycles}"
 
 
 def test_core_never_imports_hf_layer() -> None:

@@ -1,0 +1,63 @@
+"""`TuningContext`: the narrow view of its registration that a target tunes with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from aitune_hf.backends.base import Backend
+from aitune_hf.core.config import TuningConfig
+from aitune_hf.core.strategy import Decision, Strategy
+
+
+class Progress:
+    """One tqdm bar over the targets that tune in a burst; opened by the first, closed when none is pending."""
+
+    def __init__(self, pending: Callable[[], int], enabled: bool) -> None:
+        self._pending = pending
+        self._enabled = enabled
+        self._bar: Any = None
+
+    def started(self, name: str) -> None:
+        if self._bar is None:
+            self._bar = tqdm(
+                total=max(self._pending(), 1), desc="aitune_hf tuning", unit="target", disable=not self._enabled,
+                leave=False,
+            )  # fmt: skip
+        self._bar.set_postfix_str(name, refresh=True)
+
+    def finished(self) -> None:
+        if self._bar is None:
+            return
+        self._bar.update(1)
+        if not self._pending():
+            self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+@dataclass
+class TuningContext:
+    """What a target needs from its registration to tune, and nothing more.
+
+    Attributes:
+        config: the registration's TuningConfig.
+        strategy: builds, checks, times and chooses.
+        candidates: the candidate backends, eager excluded.
+        decisions: decisions shared by identical siblings (sibling key -> (owner name, Decision)).
+        progress: the progress bar.
+        bypassed: True while the registration runs everything eager (`Registration.bypass()`).
+    """
+
+    config: TuningConfig
+    strategy: Strategy
+    candidates: list[Backend]
+    progress: Progress
+    bypassed: Callable[[], bool]
+    decisions: dict[Any, tuple[str, Decision]] = field(default_factory=dict)

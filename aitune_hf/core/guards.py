@@ -1,0 +1,220 @@
+"""Guards: what a built backend depends on besides its inputs, checked cheaply on every call it serves.
+
+Modelled on Dynamo's guards (``torch/_dynamo/guards.py``), which check, before running compiled code, that
+every Python value the trace read is as it was (``ID_MATCH`` / ``EQUALS_MATCH`` on module attributes,
+``TENSOR_MATCH`` on tensors). Dynamo guards only what its trace read; we do not trace, so a guard covers
+everything the forward *could* read:
+
+- **Module state.** The ``__dict__`` of every submodule of the target: plain values (numbers, strings,
+  bools, None, enums, dtypes, devices, and containers of these) by value, any other object by identity.
+  Containers are copied when the guard is made, so an in-place edit (peft's ``scaling[adapter] *= s``)
+  is seen. Objects that are not modules (an attention processor, a config) are guarded by identity *and*
+  by their own ``__dict__``, two levels deep.
+- **Structure.** ``_modules``, ``_parameters`` and ``_buffers`` sit in each submodule's ``__dict__`` and are
+  copied like any container: a child added, removed or replaced, or a Parameter re-assigned, is seen.
+- **Weight values,** only for a backend that baked them (``BuiltBackend.bakes_weights``): every baked tensor's
+  L2 norm, computed in one ``torch._foreach_norm`` pass, compared exactly with the norms taken at build.
+  This sees ``p.data.add_()`` (which bumps no version counter), ``p.data = t`` and ``load_state_dict``.
+  A backend that keeps the weights live (Inductor without freezing, ONNX Runtime with weights as inputs)
+  needs no value check: it reads the current tensors on every call.
+
+The per-call check is one C-level comparison of a tuple of live dicts with a tuple of their snapshots; the
+slow path, which names the first difference, runs only when that comparison fails.
+
+Blind spots (documented in docs/guarantees.md): state outside the target's submodules (globals, class
+attributes), objects more than two levels below a module attribute, mutation of a plain tensor attribute
+that is neither a parameter nor a buffer, and, for baked weights, an edit that keeps every tensor's L2
+norm (a permutation of elements within one tensor).
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import threading
+import types
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+#: Leaves compared by value.
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), enum.Enum, torch.dtype, torch.device, torch.layout)
+#: Containers copied (element-wise frozen) so that in-place edits are seen; larger ones are guarded by identity.
+_MAX_CONTAINER = 4096
+#: How deep below a module attribute non-module objects are guarded by their own state.
+_OBJECT_DEPTH = 2
+#: Objects guarded by identity only: code, types, tensors, modules (guarded through `modules()`), locks.
+_OPAQUE = (
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    types.ModuleType,
+    type,
+    torch.Tensor,
+    torch.nn.Module,
+    torch.Generator,
+    weakref.ref,
+    type(threading.Lock()),
+)
+
+
+def _is_opaque(value: Any) -> bool:
+    return isinstance(value, _OPAQUE) or getattr(type(value), "_aitune_guard_opaque", False)
+
+
+def _freeze(value: Any) -> Any:
+    """A snapshot of `value` that compares equal to it while it is unchanged (plain by value, objects by id)."""
+    if isinstance(value, _PLAIN):
+        return value
+    kind = type(value)
+    if kind in (list, tuple, set, frozenset) and len(value) <= _MAX_CONTAINER:
+        return kind(_freeze(item) for item in value)
+    if isinstance(value, dict) and len(value) <= _MAX_CONTAINER:
+        try:
+            frozen = copy.copy(value)  # keeps the dict subclass (OrderedDict compares in order)
+            for key, item in value.items():
+                frozen[key] = _freeze(item)
+            return frozen
+        except Exception:  # a dict subclass that cannot be copied: identity
+            return value
+    return value  # identity: `==` falls back to `is` for objects without __eq__
+
+
+def _objects_in(value: Any, depth: int = 0) -> Iterator[Any]:
+    """Non-module objects referenced from `value` (through containers) whose own state is guarded."""
+    if isinstance(value, _PLAIN) or depth > 2:
+        return
+    if isinstance(value, list | tuple | set | frozenset) and len(value) <= _MAX_CONTAINER:
+        for item in value:
+            yield from _objects_in(item, depth + 1)
+    elif isinstance(value, dict) and len(value) <= _MAX_CONTAINER:
+        for item in value.values():
+            yield from _objects_in(item, depth + 1)
+    elif not _is_opaque(value) and isinstance(getattr(value, "__dict__", None), dict):
+        yield value
+
+
+class ModuleGuard:
+    """Everything a backend built for `module` depends on, besides its inputs; `check()` runs per call.
+
+    Args:
+        module: the target module.
+        weights: also verify the values of every parameter and buffer (for a backend that baked them).
+    """
+
+    def __init__(self, module: torch.nn.Module, weights: bool = False) -> None:
+        owners: list[tuple[str, Any]] = []
+        seen: set[int] = set()
+
+        def add(path: str, obj: Any, depth: int) -> None:
+            if id(obj) in seen:
+                return
+            seen.add(id(obj))
+            owners.append((path, obj))
+            if depth >= _OBJECT_DEPTH:
+                return
+            for key, value in list(vars(obj).items()):
+                if key in ("_modules", "_parameters", "_buffers"):
+                    continue
+                for inner in _objects_in(value):
+                    add(f"{path}.{key}" if path else key, inner, depth + 1)
+
+        for name, sub in module.named_modules(remove_duplicate=False):
+            add(name, sub, 0)
+        self._paths = tuple(path for path, _ in owners)
+        self._live = tuple(vars(obj) for _, obj in owners)
+        self._frozen = tuple(_freeze(state) for state in self._live)
+        self._weights = _WeightValues(module) if weights else None
+
+    def check(self) -> str | None:
+        """None while everything holds; else a description of the first change found."""
+        try:
+            if self._live == self._frozen and (self._weights is None or self._weights.holds()):
+                return None
+        except Exception:
+            pass
+        return self._explain()
+
+    def _explain(self) -> str:
+        for path, live, frozen in zip(self._paths, self._live, self._frozen, strict=True):
+            where = path or "<target>"
+            for key in frozen.keys() - live.keys():
+                return f"{where}.{key} was removed"
+            for key in live.keys() - frozen.keys():
+                return f"{where}.{key} was added ({_short(live[key])})"
+            for key, old in frozen.items():
+                change = _difference(old, live[key])
+                if change is not None:
+                    return f"{where}.{key} {change}"
+        if self._weights is not None:
+            change = self._weights.explain()
+            if change is not None:
+                return change
+        return "module state changed"
+
+
+def _difference(old: Any, new: Any) -> str | None:
+    """How `new` differs from the snapshot `old`, or None when equal."""
+    if old is new:
+        return None
+    if isinstance(old, dict) and isinstance(new, dict):
+        if old.keys() != new.keys():
+            added, removed = sorted(map(str, new.keys() - old.keys())), sorted(map(str, old.keys() - new.keys()))
+            parts = [f"added {added}" if added else "", f"removed {removed}" if removed else ""]
+            return "changed: " + ", ".join(p for p in parts if p)
+        for key in old:
+            inner = _difference(old[key], new[key])
+            if inner is not None:
+                return f"[{key!r}] {inner}"
+        return None
+    try:
+        if type(old) is type(new) and bool(old == new):
+            return None
+    except Exception:
+        pass
+    if isinstance(old, _PLAIN) or type(old) in (list, tuple, set, frozenset):
+        return f"changed: {_short(old)} -> {_short(new)}"
+    return f"was replaced ({type(old).__name__} -> {type(new).__name__})"
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if isinstance(value, _PLAIN) or type(value) in (list, tuple, dict) else type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _WeightValues:
+    """The L2 norm of every floating-point parameter and buffer (one foreach pass); other tensors exactly."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        named = [*module.named_parameters(remove_duplicate=True), *module.named_buffers(remove_duplicate=True)]
+        self._names = [name for name, tensor in named if tensor.is_floating_point()]
+        # The tensors themselves, not detached views: `p.data = t` swaps what `p` holds, and a view would not see it.
+        self._floats = [tensor for _, tensor in named if tensor.is_floating_point()]
+        self._others = [(name, t, t.detach().clone()) for name, t in named if not t.is_floating_point()]
+        self._norms = self._current_norms()
+
+    def _current_norms(self) -> torch.Tensor | None:
+        if not self._floats:
+            return None
+        with torch.no_grad():
+            return torch.stack([n.float() for n in torch._foreach_norm(self._floats)]).cpu()
+
+    def holds(self) -> bool:
+        norms = self._current_norms()
+        if norms is not None and not torch.equal(norms, self._norms):
+            return False
+        with torch.no_grad():
+            return all(torch.equal(live, saved) for _, live, saved in self._others)
+
+    def explain(self) -> str | None:
+        norms = self._current_norms()
+        if norms is not None:
+            for name, old, new in zip(self._names, self._norms.tolist(), norms.tolist(), strict=True):
+                if old != new and not (old != old and new != new):  # NaN == NaN here
+                    return f"weight {name} was modified (baked into the backend; L2 norm {old:.6g} -> {new:.6g})"
+        for name, live, saved in self._others:
+            if not torch.equal(live, saved):
+                return f"weight {name} was modified (baked into the backend)"
+        return None

@@ -1,0 +1,198 @@
+"""The onnxruntime backend on its own: input marshalling, live and baked weights, the `weights=` option."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+from aitune_hf.backends import OnnxRuntimeBackend
+from aitune_hf.backends.base import BuiltBackend
+from aitune_hf.errors import ConfigError
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+class Scale(nn.Module):
+    """(x * weight * gain + bias) * t, and t * gain, whose shape is t's: a 0-d `t` must stay 0-d."""
+
+    def __init__(self, width: int = 3) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width))
+        self.register_buffer("bias", torch.randn(width))
+        self.register_buffer("gain", torch.tensor(1.5), persistent=False)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x * self.weight * self.gain + self.bias) * t, t * self.gain
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x))
+
+
+class Tied(nn.Module):
+    """The same Parameter under two names (as tied embeddings are)."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.first = nn.Linear(width, width, bias=False)
+        self.second = nn.Linear(width, width, bias=False)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def build(module: nn.Module, *args: Any, backend: OnnxRuntimeBackend | None = None, **kwargs: Any) -> BuiltBackend:
+    backend = backend or OnnxRuntimeBackend(intra_op_num_threads=1)
+    with torch.no_grad():
+        return backend.build(module, module.forward, [(args, kwargs)])
+
+
+def check(built: BuiltBackend, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    with torch.no_grad():
+        expected = module(*args, **kwargs)
+        got = built.fn(*args, **kwargs)
+    torch.testing.assert_close(got, expected, **TOL)  # shapes, dtypes and structure included
+
+
+CASES = {
+    "0-d": lambda: (torch.randn(2, 3), torch.tensor(0.7)),
+    "empty": lambda: (torch.randn(0, 3), torch.tensor(2.0)),
+    "non-contiguous": lambda: (torch.randn(3, 4).t(), torch.tensor(2.0)),
+    "broadcast": lambda: (torch.randn(3).expand(4, 3), torch.tensor(2.0)),
+    "sliced": lambda: (torch.randn(4, 6)[:, ::2], torch.tensor(2.0)),
+}
+
+
+@pytest.mark.parametrize("weights", ["live", "baked"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_marshalling(case: str, weights: str) -> None:
+    module = Scale().eval()
+    x, t = CASES[case]()
+    built = build(module, x, t=t, backend=OnnxRuntimeBackend(intra_op_num_threads=1, weights=weights))
+    check(built, module, x, t=t)
+    x2, t2 = CASES[case]()  # fresh values, same layout
+    check(built, module, x2, t=t2)
+
+
+@pytest.mark.parametrize("weights", ["live", "baked"])
+def test_channels_last(weights: str) -> None:
+    module = ConvNet().eval()
+    x = torch.randn(2, 3, 5, 5).to(memory_format=torch.channels_last)
+    built = build(module, x, backend=OnnxRuntimeBackend(intra_op_num_threads=1, weights=weights))
+    check(built, module, x)
+
+
+@pytest.mark.parametrize("weights", ["live", "baked"])
+def test_weights_that_require_grad_or_are_inference_tensors(weights: str) -> None:
+    backend = OnnxRuntimeBackend(intra_op_num_threads=1, weights=weights)
+    module = MLP().eval()
+    assert all(p.requires_grad for p in module.parameters())
+    x = torch.randn(2, 8)
+    check(build(module, x, backend=backend), module, x)
+    with torch.inference_mode():
+        frozen = MLP().eval()
+        x = torch.randn(2, 8)
+    assert all(p.is_inference() for p in frozen.parameters())
+    check(build(frozen, x, backend=backend), frozen, x)
+
+
+def test_live_weights_follow_every_edit() -> None:
+    module = MLP().eval()
+    x = torch.randn(3, 8)
+    built = build(module, x, backend=OnnxRuntimeBackend(intra_op_num_threads=1, weights="live"))
+    assert built.bakes_weights is False
+    check(built, module, x)
+    with torch.no_grad():
+        module.up.weight.data.add_(1.0)  # bumps no version counter
+    check(built, module, x)
+    module.down.weight.data = torch.randn_like(module.down.weight)  # a re-assigned .data
+    check(built, module, x)
+    module.load_state_dict(MLP().state_dict())
+    check(built, module, x)
+    module.up.bias = nn.Parameter(torch.randn_like(module.up.bias))  # a replaced Parameter
+    check(built, module, x)
+
+
+def test_live_buffers_follow_edits() -> None:
+    module = Scale().eval()
+    x, t = torch.randn(2, 3), torch.tensor(0.5)
+    built = build(module, x, t=t, backend=OnnxRuntimeBackend(intra_op_num_threads=1, weights="live"))
+    module.bias.add_(1.0)
+    module.gain.fill_(-2.0)  # a non-persistent buffer
+    check(built, module, x, t=t)
+    module.bias = torch.randn(3)  # a replaced buffer
+    check(built, module, x, t=t)
+
+
+def test_live_replaced_submodule_raises() -> None:
+    module = MLP().eval()
+    x = torch.randn(3, 8)
+    built = build(module, x, backend=OnnxRuntimeBackend(intra_op_num_threads=1, weights="live"))
+    module.up = nn.Linear(8, 16)
+    with pytest.raises(RuntimeError, match="replaced"):
+        built.fn(x)
+
+
+def test_baked_reports_baked_weights() -> None:
+    module = MLP().eval()
+    x = torch.randn(3, 8)
+    backend = OnnxRuntimeBackend(intra_op_num_threads=1, weights="baked")
+    assert backend.bakes_weights is True and backend.describe() == "onnxruntime"
+    built = build(module, x, backend=backend)
+    assert built.bakes_weights is True
+    check(built, module, x)
+
+
+def test_baked_is_the_default_and_live_bakes_nothing() -> None:
+    backend = OnnxRuntimeBackend(intra_op_num_threads=1)
+    assert backend.weights == "baked" and backend.bakes_weights is True and backend.describe() == "onnxruntime"
+    live = OnnxRuntimeBackend(intra_op_num_threads=1, weights="live")
+    assert live.bakes_weights is False and live.describe() == "onnxruntime(weights=live)"
+    mlp, x = MLP().eval(), torch.randn(2, 8)
+    assert build(mlp, x, backend=backend).bakes_weights is True
+    built = build(mlp, x, backend=live)
+    assert built.bakes_weights is False
+    with torch.no_grad():
+        mlp.up.weight.data.mul_(2.0)
+    check(built, mlp, x)
+
+
+@pytest.mark.parametrize("weights", ["live", "baked"])
+def test_tied_weights(weights: str) -> None:
+    module = Tied().eval()
+    x = torch.randn(2, 6)
+    built = build(module, x, backend=OnnxRuntimeBackend(intra_op_num_threads=1, weights=weights))
+    check(built, module, x)
+    if weights == "live":
+        with torch.no_grad():
+            module.first.weight.data.mul_(0.5)  # both names see it
+        check(built, module, x)
+        module.second.weight = nn.Parameter(torch.randn(6, 6))  # untied after building
+        check(built, module, x)
+
+
+def test_invalid_weights_option() -> None:
+    with pytest.raises(ConfigError, match=r"weights='frozen'.*'baked', 'live'"):
+        OnnxRuntimeBackend(weights="frozen")
