@@ -60,8 +60,102 @@ _OPAQUE = (
 )
 
 
+#: Attributes of the target module itself that are call plumbing *around* its forward, not state it reads: the
+#: forward slot (where the router sits), Accelerate's and Diffusers' hooks, and torch's module hooks, which run
+#: outside the router. Offload hooks re-applied between calls change them every call. Inside the target they
+#: are guarded like everything else (a backend traced through them).
+ROOT_PLUMBING = frozenset(
+    {
+        "forward", "_old_forward", "_hf_hook", "_diffusers_hook",
+        "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+        "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+        "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook",
+        "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+    }
+)  # fmt: skip
+
+
+class _Without:
+    """A live dict seen without some keys: compares equal to a snapshot taken without them."""
+
+    __slots__ = ("keys", "live")
+
+    def __init__(self, live: dict[str, Any], keys: frozenset[str]) -> None:
+        self.live, self.keys = live, keys
+
+    def view(self) -> dict[str, Any]:
+        return {k: v for k, v in self.live.items() if k not in self.keys}
+
+    def __eq__(self, other: object) -> bool:
+        return other == self.view()  # the snapshot on the left: its own __eq__ (tensor slots) decides
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def _is_opaque(value: Any) -> bool:
     return isinstance(value, _OPAQUE) or getattr(type(value), "_aitune_guard_opaque", False)
+
+
+class _TensorSlot:
+    """The snapshot of a parameter or buffer in its module's table: shape, dtype and device type, not identity.
+
+    Model CPU offload moves weights (`.to()`) on every call, which re-assigns buffers and `.data` with equal
+    values; that must not fail the guard. Values are the weight check's job (baked backends), and a backend
+    with live weights reads whatever tensor is there.
+    """
+
+    __slots__ = ("device_type", "dtype", "shape")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device_type = tensor.shape, tensor.dtype, tensor.device.type
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, torch.Tensor)
+            and other.shape == self.shape
+            and other.dtype == self.dtype
+            and other.device.type == self.device_type
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}@{self.device_type}"
+
+
+#: Hook plumbing inside the target (Accelerate's per-module hooks under a `device_map`, Diffusers' registries):
+#: re-dispatching replaces each hook by an equal one, so these are compared by type, not identity.
+HOOK_KEYS = frozenset({"forward", "_old_forward", "_hf_hook", "_diffusers_hook"})
+
+
+class _SameType:
+    """The snapshot of a hook attribute: any value of the same type compares equal."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, value: Any) -> None:
+        self.kind = type(value)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is self.kind
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"a {self.kind.__name__}"
+
+
+def _freeze_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot of an object's `__dict__`; a module's parameter and buffer tables keep tensor slots, and
+    its hook attributes their types."""
+    frozen = _freeze(state)
+    if "_parameters" in state:  # a module
+        for key in HOOK_KEYS & state.keys():
+            frozen[key] = _SameType(state[key])
+    for table in ("_parameters", "_buffers"):
+        if isinstance(state.get(table), dict):
+            frozen[table] = {k: v if v is None else _TensorSlot(v) for k, v in state[table].items()}
+    return frozen
 
 
 def _freeze(value: Any) -> Any:
@@ -116,7 +210,9 @@ class ModuleGuard:
             if depth >= _OBJECT_DEPTH:
                 return
             for key, value in list(vars(obj).items()):
-                if key in ("_modules", "_parameters", "_buffers"):
+                if key in ("_modules", "_parameters", "_buffers") or (obj is module and key in ROOT_PLUMBING):
+                    continue
+                if key in HOOK_KEYS and isinstance(obj, torch.nn.Module):  # compared by type, not by state
                     continue
                 for inner in _objects_in(value):
                     add(f"{path}.{key}" if path else key, inner, depth + 1)
@@ -124,14 +220,15 @@ class ModuleGuard:
         for name, sub in module.named_modules(remove_duplicate=False):
             add(name, sub, 0)
         self._paths = tuple(path for path, _ in owners)
-        self._live = tuple(vars(obj) for _, obj in owners)
-        self._frozen = tuple(_freeze(state) for state in self._live)
+        self._live = tuple(_Without(vars(obj), ROOT_PLUMBING) if obj is module else vars(obj) for _, obj in owners)
+        self._frozen = tuple(_freeze_state(live.view() if isinstance(live, _Without) else live) for live in self._live)
         self._weights = _WeightValues(module) if weights else None
 
     def check(self) -> str | None:
         """None while everything holds; else a description of the first change found."""
         try:
-            if self._live == self._frozen and (self._weights is None or self._weights.holds()):
+            # Snapshots on the left: dict comparison calls the left value's __eq__ first.
+            if self._frozen == self._live and (self._weights is None or self._weights.holds()):
                 return None
         except Exception:
             pass
@@ -140,11 +237,17 @@ class ModuleGuard:
     def _explain(self) -> str:
         for path, live, frozen in zip(self._paths, self._live, self._frozen, strict=True):
             where = path or "<target>"
-            for key in frozen.keys() - live.keys():
+            live = live.view() if isinstance(live, _Without) else live
+            for key in sorted(frozen.keys() - live.keys()):
                 return f"{where}.{key} was removed"
-            for key in live.keys() - frozen.keys():
+            for key in sorted(live.keys() - frozen.keys()):
                 return f"{where}.{key} was added ({_short(live[key])})"
             for key, old in frozen.items():
+                if key in ("_parameters", "_buffers"):
+                    for name, slot in old.items():
+                        if not slot == live[key].get(name):  # noqa: SIM201 - the slot's __eq__ decides
+                            return f"{where}.{name} changed to {_short(live[key].get(name))} (was {slot!r})"
+                    continue
                 change = _difference(old, live[key])
                 if change is not None:
                     return f"{where}.{key} {change}"
@@ -159,6 +262,8 @@ def _difference(old: Any, new: Any) -> str | None:
     """How `new` differs from the snapshot `old`, or None when equal."""
     if old is new:
         return None
+    if isinstance(old, _SameType):
+        return None if old == new else f"was replaced ({old!r} -> a {type(new).__name__})"
     if isinstance(old, dict) and isinstance(new, dict):
         if old.keys() != new.keys():
             added, removed = sorted(map(str, new.keys() - old.keys())), sorted(map(str, old.keys() - new.keys()))
@@ -185,36 +290,53 @@ def _short(value: Any) -> str:
 
 
 class _WeightValues:
-    """The L2 norm of every floating-point parameter and buffer (one foreach pass); other tensors exactly."""
+    """The L2 norm of every floating-point parameter and buffer (one foreach pass); other tensors exactly.
+
+    Each tensor is read afresh from its table on every check: an offload hook re-assigns buffers and `.data`
+    between calls, and `p.data = t` swaps what `p` holds.
+    """
 
     def __init__(self, module: torch.nn.Module) -> None:
-        named = [*module.named_parameters(remove_duplicate=True), *module.named_buffers(remove_duplicate=True)]
-        self._names = [name for name, tensor in named if tensor.is_floating_point()]
-        # The tensors themselves, not detached views: `p.data = t` swaps what `p` holds, and a view would not see it.
-        self._floats = [tensor for _, tensor in named if tensor.is_floating_point()]
-        self._others = [(name, t, t.detach().clone()) for name, t in named if not t.is_floating_point()]
+        places: list[tuple[str, dict[str, Any], str]] = []
+        seen: set[int] = set()
+        for owner_name, owner in module.named_modules():
+            for table in (owner._parameters, owner._buffers):
+                for key, tensor in table.items():
+                    if tensor is not None and id(tensor) not in seen:  # tied weights once
+                        seen.add(id(tensor))
+                        places.append((f"{owner_name}.{key}" if owner_name else key, table, key))
+        self._names = [name for name, table, key in places if table[key].is_floating_point()]
+        self._floats = [(table, key) for _, table, key in places if table[key].is_floating_point()]
+        self._others = [
+            (name, table, key, table[key].detach().cpu().clone()) for name, table, key in places
+            if not table[key].is_floating_point()
+        ]  # fmt: skip
         self._norms = self._current_norms()
 
     def _current_norms(self) -> torch.Tensor | None:
         if not self._floats:
             return None
         with torch.no_grad():
-            return torch.stack([n.float() for n in torch._foreach_norm(self._floats)]).cpu()
+            norms = torch._foreach_norm([table[key] for table, key in self._floats])
+            return torch.stack([n.float().cpu() for n in norms])
 
     def holds(self) -> bool:
         norms = self._current_norms()
         if norms is not None and not torch.equal(norms, self._norms):
             return False
         with torch.no_grad():
-            return all(torch.equal(live, saved) for _, live, saved in self._others)
+            return all(torch.equal(table[key].cpu(), saved) for _, table, key, saved in self._others)
 
     def explain(self) -> str | None:
-        norms = self._current_norms()
+        try:
+            norms = self._current_norms()
+        except Exception as error:  # a tensor went missing or to the meta device
+            return f"weights could not be read back ({type(error).__name__}: {error})"
         if norms is not None:
             for name, old, new in zip(self._names, self._norms.tolist(), norms.tolist(), strict=True):
                 if old != new and not (old != old and new != new):  # NaN == NaN here
                     return f"weight {name} was modified (baked into the backend; L2 norm {old:.6g} -> {new:.6g})"
-        for name, live, saved in self._others:
-            if not torch.equal(live, saved):
+        for name, table, key, saved in self._others:
+            if not torch.equal(table[key].cpu(), saved):
                 return f"weight {name} was modified (baked into the backend)"
         return None

@@ -80,11 +80,11 @@ class _Route:
     backend: Backend | None  # None: eager
     built: BuiltBackend | None
     report: SignatureReport
-    guard: ModuleGuard | None  # None: holds in every state (an eager decision)
+    guard: ModuleGuard  # the module state the decision was made in
 
     def holds(self) -> str | None:
         """None when this route may serve now, else what changed."""
-        return None if self.guard is None else self.guard.check()
+        return self.guard.check()
 
 
 class _ForwardRouter:
@@ -275,7 +275,8 @@ class Target:
             route.report.reason = f"{route.report.chosen} raised while serving: {failure}"
             route.report.chosen = "eager"
             route.backend, route.built = None, None  # this state is served eager from now on
-            self._settle()
+            if self._state is not TargetState.ARMED:  # an armed target settles after its next tuning
+                self._settle()
             self._count("eager")
             return self.original_forward(*args, **kwargs)
         self._count(route.report.chosen)
@@ -285,7 +286,7 @@ class Target:
         self.calls_served[backend] = self.calls_served.get(backend, 0) + 1
 
     def _route_count(self) -> int:
-        return sum(1 for routes in self._routes.values() for route in routes if route.guard is not None)
+        return sum(len(routes) for routes in self._routes.values())
 
     def _changed(self, change: str) -> None:
         """A guard failed: the module changed since the signature's routes were built. Re-tune later, if allowed."""
@@ -356,8 +357,8 @@ class Target:
         except Exception as error:
             reason = f"the eager forward raised when replayed for tuning: {type(error).__name__}: {first_line(error)}"
             logger.warning("%s: %s", self.name, reason, exc_info=True)
-            self._add_route(signature, _Route(None, None, SignatureReport(signature.short(), len(samples)), None))
-            self._routes[signature][-1].report.reason = reason
+            report = SignatureReport(signature.short(), len(samples), reason=reason)
+            self._add_route(signature, _Route(None, None, report, ModuleGuard(self.module)))
             return
         try:
             decision = self._shared_or_new(job, signature)
@@ -366,15 +367,13 @@ class Target:
             logger.warning("%s: %s", self.name, reason, exc_info=True)
             decision = job.keep_eager(reason)
         logger.info("%s [%s]: %s", self.name, signature.short(), decision.report.chosen)
-        guard = decision.guard if decision.built is not None else None
+        # An eager decision holds for this module state too: a new state (FreeU off again) is tuned afresh.
+        guard = decision.guard if decision.built is not None else ModuleGuard(self.module)
         self._add_route(signature, _Route(decision.backend, decision.built, decision.report, guard))
 
     def _add_route(self, signature: InputSignature, route: _Route) -> None:
         self._no_evidence = None
-        routes = self._routes.setdefault(signature, [])
-        if route.guard is None:  # an eager decision holds in every state: it replaces older eager ones
-            routes[:] = [r for r in routes if r.guard is not None]
-        routes.append(route)
+        self._routes.setdefault(signature, []).append(route)
 
     def _shared_or_new(self, job: TuningJob, signature: InputSignature) -> Decision:
         context = self._context
@@ -412,8 +411,6 @@ class Target:
         if self._pinned is not None:
             return
         routes = [route for routes in self._routes.values() for route in routes]
-        if self._state is TargetState.ARMED:
-            return  # still to tune at the next call
         if any(route.built is not None for route in routes):
             self._move(TargetState.TUNED, self._limit_reason())
         elif routes:

@@ -157,8 +157,9 @@ def test_auto_tunes_components_then_descends_into_those_that_stay_eager(pipeline
     expected = run(pipe, "sd")
     registration = pipe.enable_aitune("auto", **ORT)
     assert list(registration.targets) == ["vae.decoder", "text_encoder", "unet"]
+    # Whatever keeps a component eager (a failed export, nothing faster, a hook): its stages replace it.
+    registration.targets["unet"].pin_eager("kept eager as a whole by this test")
     outputs = [run(pipe, "sd") for _ in range(2)]  # record, tune the components
-    # The whole UNet's ONNX graph fails in ONNX Runtime here (see docs): it stays eager, so its stages replace it.
     assert "unet" in registration.descended and "unet" not in registration.targets
     assert [n for n in registration.targets if n.startswith("unet.")] == [
         "unet.down_blocks.0", "unet.down_blocks.1", "unet.mid_block", "unet.up_blocks.0", "unet.up_blocks.1",
@@ -167,8 +168,7 @@ def test_auto_tunes_components_then_descends_into_those_that_stay_eager(pipeline
     assert registration.all_tuned, registration.report()
     assert registration.targets["unet.mid_block"].state is TargetState.TUNED
     assert registration.targets["text_encoder"].report().backend == "onnxruntime"
-    unet = registration.descended["unet"].signatures[0].candidates
-    assert [c.backend for c in unet] == ["onnxruntime"] and unet[0].error
+    assert registration.descended["unet"].reason == "kept eager as a whole by this test"
     for out in outputs:
         np.testing.assert_allclose(out, expected, atol=2e-3)
     assert "descended into unet" in str(registration.report())

@@ -1,0 +1,397 @@
+"""Issue 7 "Never stale": `generate()` with tuning on gives eager's tokens and logits in every call.
+
+Tuning replays recorded block calls. A decoder block's call carries the KV `Cache` object the user's
+generate() holds; replaying that very object grows the user's cache, so the call that tunes (and every call
+after it) saw a corrupted cache, and T5 even raised out of tuning into the user's call. These tests hold the
+rules of ARCHITECTURE.md "Rules that keep users safe": inputs the user owns are never mutated by tuning, and
+tuning is contained (the user's call returns eager's output whatever happens inside tuning).
+
+Every generate() call is compared with an eager reference made in the same state
+(`with model.aitune.bypass()`): tokens equal, each step's logits close. Tuning is armed after the first whole
+model call (the prefill forward of the first generate()), so it runs inside the first generate() for the
+decoder blocks and inside the second one for encoder blocks (the encoder runs outside the model's __call__).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import DynamicCache, EncoderDecoderCache
+
+from aitune_hf import AITuneModel, TargetState, register
+from aitune_hf.testing import LM_AUTO_CLASSES, build_lm
+
+QUICK: dict[str, Any] = {"min_speedup": 0, "progress": False, "warmup": 1, "repeats": 2}
+GENERATE: dict[str, Any] = {
+    "max_new_tokens": 6,
+    "min_new_tokens": 6,  # no early stop at eos: every call has 6 steps of logits
+    "do_sample": False,
+    "output_logits": True,
+    "return_dict_in_generate": True,
+}
+CALLS = 3  # generate() calls per test: recording + tuning happen in the first two
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+KINDS = ("llama", "qwen3", "t5", "whisper")  # the inductor runs; the onnxruntime runs add gpt2
+
+
+@pytest.fixture(scope="session")
+def lm_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {kind: build_lm(kind, tmp_path_factory.mktemp(f"lm-{kind}")) for kind in (*KINDS, "gpt2")}
+
+
+def load(folders: dict[str, Path], kind: str) -> Any:
+    return AITuneModel.from_pretrained(folders[kind], auto_class=LM_AUTO_CLASSES[kind]).eval()
+
+
+def inputs(kind: str) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    if kind == "whisper":
+        return {"input_features": torch.randn(2, 8, 32, generator=generator)}  # (batch, mel bins, frames)
+    return {"input_ids": torch.randint(3, 128, (2, 5), generator=generator)}
+
+
+def assert_same_generation(out: Any, ref: Any, label: str) -> None:
+    """Tokens equal and every step's logits close."""
+    assert torch.equal(out.sequences, ref.sequences), f"{label}: tokens differ\n{out.sequences}\n{ref.sequences}"
+    assert len(out.logits) == len(ref.logits) == GENERATE["max_new_tokens"], label
+    for step, (got, want) in enumerate(zip(out.logits, ref.logits, strict=True)):
+        torch.testing.assert_close(got, want, **TOL, msg=_prefixed(f"{label}, step {step} logits"))
+
+
+def _prefixed(label: str) -> Callable[[str], str]:
+    return lambda message: f"{label}: {message}"
+
+
+def generate_and_compare(model: Any, kind: str, calls: int = CALLS, **extra: Any) -> None:
+    """`calls` generate() calls, each compared with an eager generate() made right after it."""
+    for call in range(calls):
+        out = model.generate(**inputs(kind), **GENERATE, **extra)
+        with model.aitune.bypass():
+            ref = model.generate(**inputs(kind), **GENERATE, **extra)
+        assert_same_generation(out, ref, f"{kind} generate() call {call + 1}; states {model.aitune.state_counts}")
+
+
+def decided(registration: Any) -> bool:
+    return all(target.decided for target in registration.targets.values())
+
+
+def decoder_side(name: str) -> bool:
+    """Targets whose calls carry the KV cache (decoder-only layers, or the decoder of an encoder-decoder)."""
+    return "encoder" not in name
+
+
+def cache_tensors(cache: Any) -> list[torch.Tensor]:
+    """Every key/value tensor of a DynamicCache / EncoderDecoderCache, in a fixed order."""
+    caches = (
+        [cache.self_attention_cache, cache.cross_attention_cache] if isinstance(cache, EncoderDecoderCache) else [cache]
+    )
+    return [t for c in caches for layer in c.layers for t in (layer.keys, layer.values)]
+
+
+def self_attention_lengths(cache: Any) -> list[int]:
+    self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+    return [self_cache.get_seq_length(i) for i in range(len(self_cache.layers))]
+
+
+def test_build_lm_folders_load_with_the_real_classes(lm_folders) -> None:
+    """The factories' sanity: plain Transformers loads each folder, and eager generate() is deterministic."""
+    import transformers
+
+    expected = {
+        "llama": "LlamaForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "gpt2": "GPT2LMHeadModel",
+        "t5": "T5ForConditionalGeneration",
+        "whisper": "WhisperForConditionalGeneration",
+    }
+    for kind, folder in lm_folders.items():
+        model = getattr(transformers, LM_AUTO_CLASSES[kind]).from_pretrained(folder).eval()
+        assert type(model).__name__ == expected[kind]
+        first, second = model.generate(**inputs(kind), **GENERATE), model.generate(**inputs(kind), **GENERATE)
+        assert_same_generation(first, second, f"{kind} eager vs eager")
+        assert len(set(first.sequences[:, -GENERATE["max_new_tokens"] :].flatten().tolist())) > 1, kind
+    with pytest.raises(ValueError, match="unknown kind"):
+        build_lm("bert", lm_folders["llama"].parent / "unused")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# generate(): every call equals eager
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_dynamo() -> None:
+    """Dynamo's cache as in a fresh process.
+
+    In Transformers 5 every decoder layer class's forward is a `forward_with_checkpointing` closure made in
+    `GradientCheckpointingLayer.__init_subclass__`: all layer classes of all models share one code object,
+    so one Dynamo cache and one recompile limit (8). Once earlier compiles used it up, Dynamo runs these
+    forwards eager without a word, and a test would no longer exercise compiled code with cache objects.
+    """
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generate_matches_eager_in_every_call_inductor(lm_folders, kind: str, request: pytest.FixtureRequest) -> None:
+    if kind == "llama":
+        request.getfixturevalue("fresh_dynamo")  # one kind runs compiled code for sure (see fresh_dynamo)
+    model = load(lm_folders, kind)
+    registration = model.enable_aitune("blocks", backends=["inductor"], **QUICK)
+    try:
+        generate_and_compare(model, kind)
+        assert decided(registration), f"tuning did not run:\n{registration.report()}"
+        # Inductor accepts cache objects: the decoder blocks tune like the others.
+        assert registration.state_counts.get("tuned", 0) >= 1, registration.report()
+    finally:
+        model.disable_aitune()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "t5", "whisper"])
+def test_generate_matches_eager_in_every_call_onnxruntime(lm_folders, kind: str) -> None:
+    model = load(lm_folders, kind)
+    registration = model.enable_aitune("blocks", backends=["onnxruntime"], **QUICK)
+    try:
+        generate_and_compare(model, kind)
+        assert decided(registration), f"tuning did not run:\n{registration.report()}"
+        for name, target in registration.targets.items():
+            if decoder_side(name):
+                # ONNX Runtime cannot take a Cache object: it rules itself out, the block stays eager.
+                assert target.state is TargetState.EAGER and target.reason, (name, target.reason)
+                assert "onnxruntime" not in target.calls_served, (name, target.calls_served)
+            else:
+                assert target.state is TargetState.TUNED, (name, target.reason)
+    finally:
+        model.disable_aitune()
+
+
+def test_generate_with_static_cache_matches_eager(lm_folders) -> None:
+    model = load(lm_folders, "llama")
+    registration = model.enable_aitune("blocks", backends=["inductor"], **QUICK)
+    try:
+        generate_and_compare(model, "llama", cache_implementation="static")
+        assert decided(registration), f"tuning did not run:\n{registration.report()}"
+    finally:
+        model.disable_aitune()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The user's cache object: tuning never mutates it
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_generate_with_the_users_cache_grows_it_like_eager(lm_folders, kind: str) -> None:
+    """The user passes their own cache to the generate() call that tunes: it ends exactly as eager's does."""
+    model = load(lm_folders, kind)
+    registration = model.enable_aitune("blocks", backends=["inductor"], **QUICK)
+
+    def new_cache() -> Any:
+        return EncoderDecoderCache(DynamicCache(), DynamicCache()) if kind == "t5" else DynamicCache()
+
+    try:
+        for call in range(2):  # the first call records then tunes its decoder blocks; the second is served
+            mine, theirs = new_cache(), new_cache()
+            out = model.generate(**inputs(kind), **GENERATE, cache=mine)
+            with model.aitune.bypass():
+                ref = model.generate(**inputs(kind), **GENERATE, cache=theirs)
+            label = f"{kind} generate(cache=...) call {call + 1}"
+            assert_same_generation(out, ref, label)
+            # 6 new tokens: the last one is never fed back, so the cache holds prompt + 5 (T5: start token + 5).
+            prompt = 1 if kind == "t5" else inputs(kind)["input_ids"].shape[1]
+            assert self_attention_lengths(mine) == self_attention_lengths(theirs) == [prompt + 5] * 2, label
+            for got, want in zip(cache_tensors(mine), cache_tensors(theirs), strict=True):
+                assert got.shape == want.shape, label
+                torch.testing.assert_close(got, want, **TOL, msg=_prefixed(f"{label}: cache"))
+        assert decided(registration), f"tuning did not run:\n{registration.report()}"
+    finally:
+        model.disable_aitune()
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_decode_step_that_tunes_grows_the_users_cache_by_one(lm_folders, kind: str) -> None:
+    """Forward calls by hand: a prefill, then one decode step that tunes; the cache grows by one position."""
+    model = load(lm_folders, kind)
+    registration = model.enable_aitune("blocks", backends=["inductor"], tune_after_calls=None, **QUICK)
+    ids = inputs(kind)["input_ids"]
+    start = torch.zeros(ids.shape[0], 1, dtype=torch.long)  # T5's decoder start id is pad = 0
+    feed = {"input_ids": ids, "decoder_input_ids": start} if kind == "t5" else {"input_ids": ids}
+    try:
+        with torch.inference_mode():
+            prefill = model(**feed, use_cache=True)  # recorded
+            cache = prefill.cache
+            before = [t.clone() for t in cache_tensors(cache)]
+            lengths = self_attention_lengths(cache)
+            step = prefill.logits[:, -1:].argmax(-1)
+            decode = {"input_ids": ids, "decoder_input_ids": step} if kind == "t5" else {"input_ids": step}
+            with registration.bypass():
+                ref = model(**decode, cache=copy.deepcopy(cache), use_cache=True)
+            registration.tune()
+            out = model(**decode, cache=cache, use_cache=True)  # tunes (prefill and decode signatures) here
+        assert decided(registration), f"tuning did not run:\n{registration.report()}"
+        torch.testing.assert_close(out.logits, ref.logits, **TOL)
+        assert out.cache is cache  # the model hands back the user's object
+        assert self_attention_lengths(cache) == [n + 1 for n in lengths], "the cache grew by more than one step"
+        after = cache_tensors(cache)
+        for old, new, want in zip(before, after, cache_tensors(ref.cache), strict=True):
+            assert new.shape == want.shape
+            torch.testing.assert_close(new, want, **TOL)
+            torch.testing.assert_close(new[..., : old.shape[-2], :], old, atol=0, rtol=0)  # the past is untouched
+    finally:
+        model.disable_aitune()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The core: non-finite recordings, errors during replay, objects the user owns
+# --------------------------------------------------------------------------------------------------------------
+
+ORT_MANUAL: dict[str, Any] = {"backends": ["onnxruntime"], "trigger": "manual", **QUICK}
+
+
+def mlp_blocks(n: int = 3) -> torch.nn.ModuleList:
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    return torch.nn.ModuleList(copy.deepcopy(block) for _ in range(n)).eval()
+
+
+def run_blocks(blocks: torch.nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+def test_a_recording_with_nan_inputs_does_not_poison_tuning() -> None:
+    blocks = mlp_blocks()
+    reg = register(blocks, ORT_MANUAL)
+    nan = torch.randn(4, 8)
+    nan[0, 3] = float("nan")
+    finite = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    try:
+        with torch.inference_mode():
+            run_blocks(blocks, nan)  # recorded: a sample with NaN (row 0 stays NaN through every block)
+            reg.tune()
+            out = run_blocks(blocks, finite[0])  # recorded, then tunes from what it has
+            with reg.bypass():
+                ref = run_blocks(blocks, finite[0])
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        for name, target in reg.targets.items():
+            assert target.state is TargetState.TUNED or (
+                target.state is TargetState.EAGER and "finite" in (target.reason or "")
+            ), (name, target.state, target.reason)
+        with torch.inference_mode():
+            for x in finite[1:3]:
+                run_blocks(blocks, x)  # recorded where a target stayed eager for want of finite samples
+            if reg.state_counts != {"tuned": len(blocks)}:
+                reg.tune()
+            for x in finite:
+                out = run_blocks(blocks, x)
+                with reg.bypass():
+                    ref = run_blocks(blocks, x)
+                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert reg.state_counts == {"tuned": len(blocks)}, reg.report()
+        assert all(t.calls_served.get("onnxruntime", 0) >= 1 for t in reg.targets.values()), reg.report()
+    finally:
+        reg.detach()
+
+
+class Log:
+    """An object input the user owns (not a pytree container): the block appends to it."""
+
+    def __init__(self) -> None:
+        self.entries: list[int] = []
+
+
+class Recorder(torch.nn.Module):
+    """A block with side effects on the objects it is given, as a KV cache update is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, seen: list | None = None, log: Log | None = None) -> torch.Tensor:
+        if seen is not None:
+            seen.append(len(seen))
+        if log is not None:
+            log.entries.append(len(log.entries))
+        return torch.relu(self.fc(x))
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "inductor"])
+def test_tuning_never_mutates_objects_the_user_passed(backend: str) -> None:
+    blocks = torch.nn.ModuleList([Recorder(), Recorder()]).eval()
+    reg = register(blocks, {**ORT_MANUAL, "backends": [backend]})
+    seen: list = []
+    log = Log()
+    x = torch.randn(4, 8)
+    user_calls = 0
+    try:
+        with torch.inference_mode():
+            for call in range(4):
+                if call == 1:
+                    reg.tune()  # the second call tunes
+                out = run_blocks_with(blocks, x, seen=seen, log=log)
+                user_calls += 1
+                # Each of the 2 blocks appends once per user call, and nothing else appends to the user's objects.
+                assert len(seen) == len(log.entries) == 2 * user_calls, (call, len(seen), len(log.entries))
+                with reg.bypass():
+                    ref = run_blocks(blocks, x)
+                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert seen == list(range(2 * user_calls)) and log.entries == list(range(2 * user_calls))
+        assert decided(reg), reg.report()
+    finally:
+        reg.detach()
+
+
+def run_blocks_with(blocks: torch.nn.ModuleList, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    for block in blocks:
+        x = block(x, **kwargs)
+    return x
+
+
+#: Registrations whose tuning `FailsWhileTuning` detects (a global, so that no module attribute changes).
+_TUNING: list[Any] = []
+
+
+def tuning_now() -> bool:
+    return any(t.state is TargetState.TUNING for registration in _TUNING for t in registration.targets.values())
+
+
+class FailsWhileTuning(torch.nn.Module):
+    """Raises whenever it runs while a target is tuning (every replay: eager baseline and candidates), the
+    way T5's decoder raised when replayed with a cache that the replay itself had grown; the user's own calls
+    never raise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tuning_now():
+            raise RuntimeError("The size of tensor a (3) must match the size of tensor b (4)")
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "inductor"])
+def test_an_error_while_replaying_never_reaches_the_users_call(backend: str) -> None:
+    blocks = torch.nn.ModuleList([FailsWhileTuning(), FailsWhileTuning()]).eval()
+    reg = register(blocks, {**ORT_MANUAL, "backends": [backend]})
+    _TUNING.append(reg)
+    x = torch.randn(4, 8)
+    try:
+        with torch.inference_mode():
+            for call in range(3):
+                if call == 1:
+                    reg.tune()
+                out = run_blocks(blocks, x)  # the second call tunes; no call raises
+                with reg.bypass():
+                    ref = run_blocks(blocks, x)
+                torch.testing.assert_close(out, ref, atol=0, rtol=0)
+        for name, target in reg.targets.items():
+            assert target.state is TargetState.EAGER and target.reason, (name, target.state, target.reason)
+    finally:
+        _TUNING.remove(reg)
+        reg.detach()
