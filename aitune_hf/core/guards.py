@@ -244,6 +244,9 @@ class ModuleGuard:
                 return f"{where}.{key} was added ({_short(live[key])})"
             for key, old in frozen.items():
                 if key in ("_parameters", "_buffers"):
+                    added, removed = sorted(live[key].keys() - old.keys()), sorted(old.keys() - live[key].keys())
+                    if added or removed:
+                        return f"{where}.{key} changed: added {added}, removed {removed}"
                     for name, slot in old.items():
                         if not slot == live[key].get(name):  # noqa: SIM201 - the slot's __eq__ decides
                             return f"{where}.{name} changed to {_short(live[key].get(name))} (was {slot!r})"

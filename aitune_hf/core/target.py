@@ -205,11 +205,16 @@ class Target:
 
     # -- control ------------------------------------------------------------------------------------
     def arm(self) -> None:
-        """Tune at the next forward call (stale and new signatures; routes that hold keep serving)."""
+        """Tune at the next forward call that no route can serve, in the module state of that call: recorded
+        signatures without a route, and states that changed since a route was built. A decided target with
+        nothing recorded has nothing to tune and stays as it is."""
         if self._state is TargetState.DETACHED:
             raise UsageError(f"target {self.name!r} is detached; register it again to tune it")
-        if self._pinned is None and self._state is not TargetState.TUNING:
-            self._move(TargetState.ARMED, self._reason)
+        if self._pinned is not None or self._state is TargetState.TUNING:
+            return
+        if self.decided and not any(self.samples.values()):
+            return
+        self._move(TargetState.ARMED, self._reason)
 
     def pin_eager(self, reason: str) -> None:
         """Keep this target eager for good (it cannot be tuned where it stands); `reason` is reported."""
@@ -241,10 +246,9 @@ class Target:
                 self._changed(change)
             if self._accepts_samples(signature):
                 self._record(signature, args, kwargs)
-        if state is TargetState.ARMED:  # armed before this call: tune now, inside the caller's flow
+        if state is TargetState.ARMED and route is None:  # armed, and this call has no route: tune now
             self._tune()
-            if route is None:
-                route, _ = self._lookup(signature)
+            route, _ = self._lookup(signature)
         if route is not None and route.built is not None:
             return self._serve(signature, route, args, kwargs)
         self._count("eager")
@@ -379,7 +383,8 @@ class Target:
         context = self._context
         key = _sibling_key(self.module, signature) if context.config.share_identical else None
         shared = context.decisions.get(key) if key is not None else None
-        if shared is not None:
+        # A sibling's decision, not this target's own: its own earlier one was made in another module state.
+        if shared is not None and shared[0] != self.name:
             decision = self._reuse(job, shared)
             if decision is not None:
                 return decision

@@ -32,6 +32,10 @@ def with_aitune(cls: type) -> type:
 
     namespace: dict[str, Any] = {
         "__call__": __call__,
+        # Copies and pickles are of `cls`, untuned, even where `cls` defines its own copy hooks.
+        "__reduce_ex__": AITuneMixin.__reduce_ex__,
+        "__copy__": AITuneMixin.__copy__,
+        "__deepcopy__": AITuneMixin.__deepcopy__,
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
@@ -47,6 +51,18 @@ def with_aitune(cls: type) -> type:
     subclass = type(cls.__name__, (cls, AITuneMixin), namespace)
     _SUBCLASSES[cls] = subclass
     return subclass
+
+
+def is_dynamic_class(cls: Any) -> bool:
+    """True for a subclass made by `with_aitune` (not importable under its name)."""
+    return any(cls is subclass for subclass in _SUBCLASSES.values())
+
+
+def concrete_class(cls: type) -> type:
+    """The class that copies and pickles of a `cls` object get: `cls` without the dynamic aitune subclass."""
+    while is_dynamic_class(cls):
+        cls = cls.__bases__[0]
+    return cls
 
 
 def apply_mixin(obj: Any) -> Any:

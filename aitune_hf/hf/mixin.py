@@ -7,9 +7,12 @@ and it times whole calls before and after tuning: the report leads with that mea
 
 from __future__ import annotations
 
+import copy
+import copyreg
 import logging
 import statistics
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +22,7 @@ from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.registration import Registration, register
 from aitune_hf.core.strategy import Strategy
 from aitune_hf.core.target import TargetState
+from aitune_hf.errors import UsageError
 from aitune_hf.hf.hooks import install_slot_locators, weight_motion
 from aitune_hf.hf.targets import FoundTarget, TargetSelection, as_modules, find_targets
 
@@ -230,6 +234,78 @@ class AITuneMixin:
             raise RuntimeError("aitune is not enabled here; call enable_aitune() first")
         return state
 
+    # -- copies (copy.copy / copy.deepcopy / pickle / torch.save) ----------------------------------------
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Reduce to the concrete class without the aitune state: a copy or a pickle is untuned and eager.
+
+        The dynamic aitune subclass cannot be imported, and the Registration (targets, built backends, ONNX
+        Runtime sessions) must never serve a copy; the forward routers in the modules reduce to the eager
+        forwards. A reduction whose form cannot be rewritten safely raises `UsageError` naming disable_aitune().
+        """
+        *reduced, setter = self._aitune_untuned_reduce(protocol)
+        return (*reduced, setter) if setter is not None else tuple(reduced)
+
+    def __copy__(self) -> Any:
+        """A shallow copy of the concrete class, untuned (its components are the same module objects)."""
+        return self._aitune_reconstruct(None)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A deep copy of the concrete class, untuned: every block of the copy runs its eager forward."""
+        duplicate = self._aitune_reconstruct(memo)
+        if "_aitune_state" in self.__dict__:
+            _drop_eager_forwards(duplicate)
+        return duplicate
+
+    def _aitune_reconstruct(self, memo: dict[int, Any] | None) -> Any:
+        """What `copy` does with a reduction (deep when `memo` is given), from the untuned reduction."""
+        *reduced, setter = self._aitune_untuned_reduce(4)
+        if setter is not None:  # copy's reconstruction takes no state setter
+            raise UsageError(_COPY_HINT.format(what=f"a state setter from {type(self).__qualname__}"))
+        return copy._reconstruct(self, memo, *reduced)  # type: ignore[attr-defined]
+
+    def _aitune_untuned_reduce(self, protocol: Any) -> tuple[Any, ...]:
+        """The concrete class's reduction (6 items, padded with None), rewritten to name the concrete class
+        and to leave out `_aitune_state`."""
+        from aitune_hf.hf.loading import concrete_class, is_dynamic_class
+
+        cls = type(self)
+        concrete = concrete_class(cls)
+        reducer = getattr(concrete, "__reduce_ex__", None)
+        if reducer is None or reducer is AITuneMixin.__reduce_ex__:
+            reduced = super().__reduce_ex__(protocol)
+        else:
+            reduced = reducer(self, protocol)
+        if not isinstance(reduced, tuple) or not 2 <= len(reduced) <= 6:
+            raise UsageError(_COPY_HINT.format(what=f"a reduction of the form {type(reduced).__name__}"))
+        func, args, state, listitems, dictitems, setter = reduced + (None,) * (6 - len(reduced))
+
+        def swap(value: Any) -> Any:
+            return concrete_class(value) if isinstance(value, type) and is_dynamic_class(value) else value
+
+        if not isinstance(args, tuple):
+            raise UsageError(_COPY_HINT.format(what=f"reduction arguments of type {type(args).__name__}"))
+        func, args = swap(func), tuple(swap(arg) for arg in args)
+        newobj_ex = getattr(copyreg, "__newobj_ex__", None)
+        if func in (copyreg.__newobj__, newobj_ex) and args and isinstance(args[0], type):
+            # pickle insists that __newobj__'s class is the object's own class; `object.__new__(concrete)` is
+            # what __newobj__ would do, through the reconstructor that any plain Python can load.
+            new_args, new_kwargs = (args[1], args[2]) if func is newobj_ex else (args[1:], {})
+            if new_kwargs:
+                raise UsageError(_COPY_HINT.format(what=f"{args[0].__qualname__}.__new__ takes keyword arguments"))
+            if new_args or args[0].__new__ is not object.__new__:
+                func, args = args[0].__new__, (args[0], *new_args)
+            else:
+                func, args = copyreg._reconstructor, (args[0], object, None)  # type: ignore[attr-defined]
+        if is_dynamic_class(func) or any(isinstance(arg, type) and is_dynamic_class(arg) for arg in args):
+            raise UsageError(_COPY_HINT.format(what="a reduction that names the aitune subclass"))
+        if isinstance(state, dict):
+            state = {key: value for key, value in state.items() if key != "_aitune_state"}
+        elif isinstance(state, tuple) and len(state) == 2 and all(isinstance(s, dict | None) for s in state):
+            state = tuple(s if s is None else {k: v for k, v in s.items() if k != "_aitune_state"} for s in state)
+        elif state is not None and "_aitune_state" in self.__dict__:
+            raise UsageError(_COPY_HINT.format(what=f"a state of type {type(state).__name__}"))
+        return func, args, state, listitems, dictitems, setter
+
     def _aitune_component_replaced(self, name: str) -> None:
         """A component was re-assigned (`pipe.unet = x`): register the new one in its place."""
         state: _AITuneState | None = self.__dict__.get("_aitune_state")
@@ -239,6 +315,38 @@ class AITuneMixin:
         self.disable_aitune()
         options = dict(state.options)
         self.enable_aitune(options.pop("targets"), **options)
+
+
+_COPY_HINT = (
+    "aitune_hf cannot copy or pickle this object untuned ({what}): call disable_aitune() first, or copy and "
+    "pickle the components themselves"
+)
+
+
+def _drop_eager_forwards(obj: Any) -> None:
+    """Remove each module's instance `forward` that is just its class's forward bound to itself.
+
+    A router copies into the eager forward it stood in front of; where that was the class forward, the copy
+    then carries it as an instance attribute. Removing it leaves exactly the concrete class's own state.
+    """
+    import torch
+
+    roots = [obj] if isinstance(obj, torch.nn.Module) else list(vars(obj).values())
+    seen: set[int] = set()
+    for root in roots:
+        if not isinstance(root, torch.nn.Module):
+            continue
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            forward = module.__dict__.get("forward")
+            if (
+                isinstance(forward, types.MethodType)
+                and forward.__self__ is module
+                and forward.__func__ is getattr(type(module), "forward", None)
+            ):
+                del module.__dict__["forward"]
 
 
 def _fields(config: TuningConfig) -> dict[str, Any]:

@@ -1,0 +1,135 @@
+"""Guards in the core, on plain torch modules: every state a built backend depends on, checked per call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from aitune_hf import TargetState, register
+from aitune_hf.core.guards import ModuleGuard
+
+ORT = {"backends": ["onnxruntime"], "min_speedup": 0, "progress": False, "warmup": 1, "repeats": 2}
+
+
+class Scale:
+    """A plain object a block reads (like an attention processor): guarded by identity and its own state."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.gain = 1.0  # a plain value the forward reads (like FreeU's b1)
+        self.scaling = {"default": 1.0}  # a container mutated in place (like peft's scaling)
+        self.enabled = True  # a flag (like peft's _disable_adapters)
+        self.helper = Scale(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x) * self.gain * self.scaling["default"] * self.helper.factor
+        return torch.tanh(y) if self.enabled else y
+
+
+def _tuned(**config) -> tuple[Block, torch.Tensor, object]:
+    torch.manual_seed(0)
+    block = Block().eval()
+    x = torch.randn(2, 8)
+    reg = register({"block": block}, {**ORT, **config})
+    with torch.no_grad():
+        block(x)
+        reg.tune()
+        block(x)
+    assert reg.targets["block"].state is TargetState.TUNED
+    return block, x, reg
+
+
+EDITS = {
+    "plain value": (lambda b: setattr(b, "gain", 0.5), "gain changed: 1.0 -> 0.5"),
+    "container in place": (lambda b: b.scaling.__setitem__("default", 0.3), "scaling ['default'] changed"),
+    "flag": (lambda b: setattr(b, "enabled", False), "enabled changed: True -> False"),
+    "object replaced": (lambda b: setattr(b, "helper", Scale(2.0)), "helper was replaced"),
+    "object state": (lambda b: setattr(b.helper, "factor", 3.0), "helper.factor changed: 1.0 -> 3.0"),
+    "submodule replaced": (lambda b: setattr(b, "inner", nn.Linear(8, 8)), "_modules ['inner'] was replaced"),
+    "submodule added": (lambda b: setattr(b, "extra", nn.Identity()), "_modules changed: added ['extra']"),
+    "attribute added": (lambda b: setattr(b, "s1", 0.9), "s1 was added (0.9)"),
+    "weight .data edit": (lambda b: b.inner.weight.data.add_(0.1), "weight inner.weight was modified"),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_every_state_change_serves_eager_at_once_then_retunes(edit: str) -> None:
+    block, x, reg = _tuned()
+    target = reg.targets["block"]
+    change, words = EDITS[edit]
+    change(block)
+    with torch.no_grad():
+        expected = Block.forward(block, x)
+        torch.testing.assert_close(block(x), expected, rtol=0, atol=0)  # eager at once: never stale
+        assert target.state is TargetState.ARMED and words in target.report().changes[-1], target.report().changes
+        torch.testing.assert_close(block(x), expected, atol=1e-5, rtol=1e-5)  # re-tuned for the new state
+    assert target.state is TargetState.TUNED and target.report().routes == 2
+    assert target.calls_served["onnxruntime"] == 2 and target.calls_served["eager"] == 2
+    reg.detach()
+
+
+def test_state_that_flips_per_call_gets_one_route_per_state_not_a_rebuild_storm() -> None:
+    block, x, reg = _tuned()
+    target = reg.targets["block"]
+    with torch.no_grad():
+        for step in range(8):
+            block.scaling["default"] = 0.3 if step % 2 else 1.0
+            torch.testing.assert_close(block(x), Block.forward(block, x), atol=1e-5, rtol=1e-5)
+    assert target.report().routes == 2 and target.state is TargetState.TUNED
+    assert target.calls_served["onnxruntime"] >= 6  # both states are served once each is built
+    reg.detach()
+
+
+def test_routes_are_bounded_and_the_report_says_why() -> None:
+    block, x, reg = _tuned(max_routes=2)
+    target = reg.targets["block"]
+    with torch.no_grad():
+        for gain in (0.5, 0.5, 0.25, 0.25, 0.125):
+            block.gain = gain
+            torch.testing.assert_close(block(x), Block.forward(block, x), atol=1e-5, rtol=1e-5)
+    assert target.report().routes == 2
+    assert "2 routes built (max_routes)" in target.report().reason
+    assert target.calls_served["eager"] >= 3  # the states past the bound run eager
+    reg.detach()
+
+
+def test_retune_off_waits_for_tune() -> None:
+    block, x, reg = _tuned(retune=False)
+    target = reg.targets["block"]
+    block.gain = 0.5
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(block(x), Block.forward(block, x), rtol=0, atol=0)
+        assert target.report().routes == 1 and target.state is TargetState.TUNED
+        reg.tune()
+        torch.testing.assert_close(block(x), Block.forward(block, x), atol=1e-5, rtol=1e-5)
+    assert target.report().routes == 2
+    reg.detach()
+
+
+def test_a_guard_holds_while_nothing_changes_and_ignores_moves_with_equal_values() -> None:
+    block = Block().eval()
+    guard = ModuleGuard(block, weights=True)
+    assert guard.check() is None
+    block.inner.weight.data = block.inner.weight.data.clone()  # an offload copy: same values
+    block.inner.register_buffer("steps", torch.zeros(2, dtype=torch.long))
+    assert "steps" in (guard.check() or "")  # a buffer added is structure
+    guard = ModuleGuard(block, weights=True)
+    block.inner.steps = torch.zeros(2, dtype=torch.long)  # re-assigned with equal values (what .to() does)
+    assert guard.check() is None
+    block.inner.steps[0] = 1  # an int buffer is compared exactly
+    assert "steps was modified" in (guard.check() or "")
+
+
+def test_a_module_state_guard_without_weights_ignores_values() -> None:
+    block = Block().eval()
+    guard = ModuleGuard(block)
+    block.inner.weight.data.add_(1.0)  # live-weight backends read it: not a guard failure
+    assert guard.check() is None
