@@ -9,11 +9,12 @@ core watches them. See `OnnxRuntimeBackend` for why "baked" is the default.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import logging
 import shutil
 import tempfile
-import warnings
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -92,9 +93,10 @@ class OnnxRuntimeBackend(Backend):
         return None
 
     def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
+        # No `set_default_logger_severity`: it is process-wide (and cannot be read back); the session's own
+        # `log_severity_level` below keeps this session quiet.
         import onnxruntime
 
-        onnxruntime.set_default_logger_severity(4)  # fatal only: failures are reported by aitune_hf
         args, kwargs = samples[0]
         in_leaves, in_spec = pytree.tree_flatten((args, kwargs))
         tensor_positions = [i for i, leaf in enumerate(in_leaves) if isinstance(leaf, torch.Tensor)]
@@ -120,7 +122,7 @@ class OnnxRuntimeBackend(Backend):
         output_names = [f"output_{i}" for i in range(len(out_tensor_positions))]
         device = next(leaf.device for leaf in in_leaves if isinstance(leaf, torch.Tensor))
 
-        with _quiet_exporter(), torch.inference_mode(False), torch.no_grad():
+        with _exporting(), torch.inference_mode(False), torch.no_grad():
             # Weights are passed as they are (no copy) unless they are inference tensors, which the exporter
             # cannot take outside inference mode; tied weights are passed once per name.
             example = tuple(w.clone() if w.is_inference() else w.detach() for w in weights.values())
@@ -133,7 +135,9 @@ class OnnxRuntimeBackend(Backend):
                 opset_version=self.opset_version,
                 dynamo=True,
                 optimize=True,
-                verbose=False,
+                verbose=False,  # no "[torch.onnx] ..." progress lines (the exporter's only prints to stdout)
+                report=False,
+                dump_exported_program=False,
             )
             model, path, cleanup = self._place(program, module, large=bakes and _needs_external_data(module))
 
@@ -384,18 +388,62 @@ def _needs_external_data(module: torch.nn.Module) -> bool:
     return size > 1_500_000_000  # protobuf's 2 GB limit, with room for the graph
 
 
+#: The loggers whose records below ERROR are dropped while the current thread exports (with their descendants:
+#: a logger's filters only see records logged on that logger itself, so each one gets the filter).
+_EXPORTER_LOGGERS = (
+    "torch.onnx",
+    "onnxscript",
+    "onnx_ir",
+    "torch.export",
+    "torch._export",
+    "torch.fx.experimental.symbolic_shapes",
+)
+#: Imported before the loggers are looked up, so that a first export finds the loggers of its modules.
+_EXPORTER_MODULES = ("torch.onnx._internal.exporter._core", "torch.export._trace", "onnxscript", "onnx_ir")
+_state = threading.local()  # `depth`: how many `_exporting()` blocks the current thread is in
+_filter_lock = threading.Lock()
+
+
+class _QuietWhileExporting(logging.Filter):
+    """Drops records below ERROR logged by a thread that is inside `_exporting()` (the exporter's progress
+    notes and warnings, e.g. "torchvision is not installed" on every export); other threads' records, and
+    everything outside a build, pass untouched. Added once per logger and never removed or toggled: it changes
+    no level, handler or global, so concurrent builds and other threads cannot race on it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or not getattr(_state, "depth", 0)
+
+
+_QUIET = _QuietWhileExporting()
+
+
+def _install_log_filter() -> None:
+    """Adds `_QUIET` to every existing logger at or under `_EXPORTER_LOGGERS` that lacks it (idempotent)."""
+    prefixes = tuple(f"{name}." for name in _EXPORTER_LOGGERS)
+    loggers = logging.root.manager.loggerDict.copy()  # one atomic copy: other threads may create loggers
+    with _filter_lock:
+        for name, logger in loggers.items():
+            if isinstance(logger, logging.Logger) and (name in _EXPORTER_LOGGERS or name.startswith(prefixes)):
+                logger.addFilter(_QUIET)  # a no-op when it is there already
+
+
 @contextlib.contextmanager
-def _quiet_exporter() -> Iterator[None]:
-    """Silence the exporter's progress lines and warnings (errors still raise)."""
-    names = ("torch.onnx", "onnxscript", "onnx_ir", "torch.export", "torch._export")
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
+def _exporting() -> Iterator[None]:
+    """Marks the current thread as exporting, so `_QUIET` drops its exporter records below ERROR.
+
+    Nothing process-wide is switched: no redirect of sys.stdout (the exporter prints nothing there with
+    `verbose=False`), no `warnings.catch_warnings` (not thread-safe; the exporter's warnings are left to the
+    user's filters), no `setLevel`. `torch.compiler.is_compiling()` is a process-wide flag that torch.export
+    sets and restores itself in a `finally`; it is not touched here either (restoring it from outside could
+    only clobber a compile running in another thread).
+    """
+    for module in _EXPORTER_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+    _install_log_filter()
+    _state.depth = getattr(_state, "depth", 0) + 1
     try:
-        for logger in loggers:
-            logger.setLevel(logging.ERROR)
-        with warnings.catch_warnings(), contextlib.redirect_stdout(None):
-            warnings.simplefilter("ignore")
-            yield
+        yield
     finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
+        _state.depth -= 1
+        _install_log_filter()  # loggers the export created, for the next one

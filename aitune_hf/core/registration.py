@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -101,13 +102,13 @@ class Registration:
         strategy.validate(config, devices or frozenset({torch.device("cpu")}))
         self._modules = dict(modules)
         self._detached = False
-        self._paused = 0
+        self._local = threading.local()  # bypass() is per thread: other threads keep being served
         self._context = TuningContext(
             config=config,
             strategy=strategy,
             candidates=candidates,
             progress=Progress(self._pending_count, enabled=config.progress),
-            bypassed=lambda: self._paused > 0,
+            bypassed=lambda: self.bypassed,
         )
         self._targets = {name: Target(name, module, self._context) for name, module in modules.items()}
         #: Reports of targets that `descend()` replaced by targets inside them, by name.
@@ -267,17 +268,18 @@ class Registration:
 
     @property
     def bypassed(self) -> bool:
-        """True inside `bypass()`: every target runs its original forward and records nothing."""
-        return self._paused > 0
+        """True inside `bypass()` in this thread: every target runs its original forward and records nothing."""
+        return getattr(self._local, "paused", 0) > 0
 
     @contextlib.contextmanager
     def bypass(self) -> Iterator[None]:
-        """Run the original forwards (no recording, no tuned backends) inside the block, e.g. to time eager."""
-        self._paused += 1
+        """Run the original forwards (no recording, no tuned backends) inside the block, in this thread only
+        (other threads keep being served), e.g. to time eager or compute an eager reference."""
+        self._local.paused = getattr(self._local, "paused", 0) + 1
         try:
             yield
         finally:
-            self._paused -= 1
+            self._local.paused -= 1
 
     def report(self) -> TuningReport:
         """A TuningReport of every target, led by the end-to-end timings when the caller measured them."""

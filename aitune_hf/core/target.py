@@ -25,6 +25,7 @@ import copy
 import enum
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 #: Guard failures kept per target for the report (most recent last).
 _CHANGES_KEPT = 5
+#: One tuning at a time in the process: torch.export and Dynamo tracing hold process-wide state (flags such as
+#: `torch.compiler.is_compiling()`, patched module calls). A thread that finds it taken runs its call eager.
+_TUNING = threading.Lock()
 
 
 class TargetState(str, enum.Enum):
@@ -137,6 +141,9 @@ class Target:
         self._slot: ForwardSlot | None = None
         self._original: Callable[..., Any] | None = None
         self._router: _ForwardRouter | None = None
+        #: Held while state, samples or routes change, and while this target tunes (other callers wait).
+        self._lock = threading.RLock()
+        self._tuner: int | None = None  # the thread tuning this target now
 
     # -- state --------------------------------------------------------------------------------------
     @property
@@ -180,6 +187,10 @@ class Target:
 
     def uninstall(self) -> None:
         """Take the router out wherever hooks have moved it; it stays a pass-through if it is still held."""
+        with self._lock:
+            self._uninstall()
+
+    def _uninstall(self) -> None:
         if self._router is not None and self._slot is not None and self._original is not None:
             if self._slot.read() is self._router:
                 self._slot.restore(self._original)
@@ -208,13 +219,14 @@ class Target:
         """Tune at the next forward call that no route can serve, in the module state of that call: recorded
         signatures without a route, and states that changed since a route was built. A decided target with
         nothing recorded has nothing to tune and stays as it is."""
-        if self._state is TargetState.DETACHED:
-            raise UsageError(f"target {self.name!r} is detached; register it again to tune it")
-        if self._pinned is not None or self._state is TargetState.TUNING:
-            return
-        if self.decided and not any(self.samples.values()):
-            return
-        self._move(TargetState.ARMED, self._reason)
+        with self._lock:
+            if self._state is TargetState.DETACHED:
+                raise UsageError(f"target {self.name!r} is detached; register it again to tune it")
+            if self._pinned is not None or self._state is TargetState.TUNING:
+                return
+            if self.decided and not any(self.samples.values()):
+                return
+            self._move(TargetState.ARMED, self._reason)
 
     def pin_eager(self, reason: str) -> None:
         """Keep this target eager for good (it cannot be tuned where it stands); `reason` is reported."""
@@ -235,24 +247,48 @@ class Target:
 
     # -- the forward path ---------------------------------------------------------------------------
     def call(self, *args: Any, **kwargs: Any) -> Any:
-        """Route one forward call."""
+        """Route one forward call (from any thread)."""
         state = self._state
-        if state is TargetState.DETACHED or state is TargetState.TUNING or self._pinned or self._context.bypassed():
+        if state is TargetState.TUNING:
+            if self._tuner == threading.get_ident():
+                return self.original_forward(*args, **kwargs)
+            with self._lock:  # another thread is tuning this module (an export swaps its parameters): wait
+                state = self._state
+        if state is TargetState.DETACHED or self._pinned or self._context.bypassed():
             return self.original_forward(*args, **kwargs)
         signature = signature_of(args, kwargs)
         route, change = self._lookup(signature)
         if route is None:
-            if change is not None:
-                self._changed(change)
-            if self._accepts_samples(signature):
-                self._record(signature, args, kwargs)
-        if state is TargetState.ARMED and route is None:  # armed, and this call has no route: tune now
-            self._tune()
-            route, _ = self._lookup(signature)
+            with self._lock:
+                if change is not None:
+                    self._changed(change)
+                if self._accepts_samples(signature):
+                    self._record(signature, args, kwargs)
+            if state is TargetState.ARMED and self._tune_if_free():  # armed, and no route for this call
+                route, _ = self._lookup(signature)
         if route is not None and route.built is not None:
             return self._serve(signature, route, args, kwargs)
         self._count("eager")
         return self.original_forward(*args, **kwargs)
+
+    def _tune_if_free(self) -> bool:
+        """Tune now unless another thread is tuning (any target): then this call runs eager and the target
+        stays armed. One tuning at a time in the process: torch.export and Dynamo tracing hold process-wide
+        state. Returns True when this call tuned."""
+        if not _TUNING.acquire(blocking=False):
+            return False
+        try:
+            with self._lock:
+                if self._state is not TargetState.ARMED:  # another thread tuned it meanwhile
+                    return True
+                self._tuner = threading.get_ident()
+                try:
+                    self._tune()
+                finally:
+                    self._tuner = None
+            return True
+        finally:
+            _TUNING.release()
 
     def _lookup(self, signature: InputSignature) -> tuple[_Route | None, str | None]:
         """The first route of `signature` whose guard holds; else (None, what changed, if it has routes)."""
@@ -268,26 +304,28 @@ class Target:
         return None, change
 
     def _serve(self, signature: InputSignature, route: _Route, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        assert route.built is not None
+        built, chosen = route.built, route.report.chosen
         try:
-            output = route.built.fn(*args, **kwargs)
+            if built is None:  # another thread dropped it a moment ago
+                raise RuntimeError(f"{chosen} was dropped")
+            output = built.fn(*args, **kwargs)
         except Exception as error:
-            logger.warning(
-                "%s: %s raised while serving; falling back to eager", self.name, route.report.chosen, exc_info=True
-            )
-            failure = f"{type(error).__name__}: {first_line(error)}"
-            route.report.reason = f"{route.report.chosen} raised while serving: {failure}"
-            route.report.chosen = "eager"
-            route.backend, route.built = None, None  # this state is served eager from now on
-            if self._state is not TargetState.ARMED:  # an armed target settles after its next tuning
-                self._settle()
+            logger.warning("%s: %s raised while serving; falling back to eager", self.name, chosen, exc_info=True)
+            with self._lock:
+                if route.built is not None:
+                    route.report.reason = f"{chosen} raised while serving: {type(error).__name__}: {first_line(error)}"
+                    route.report.chosen = "eager"
+                    route.backend, route.built = None, None  # this state is served eager from now on
+                    if self._state is not TargetState.ARMED:  # an armed target settles after its next tuning
+                        self._settle()
             self._count("eager")
             return self.original_forward(*args, **kwargs)
-        self._count(route.report.chosen)
+        self._count(chosen)
         return output
 
     def _count(self, backend: str) -> None:
-        self.calls_served[backend] = self.calls_served.get(backend, 0) + 1
+        with self._lock:
+            self.calls_served[backend] = self.calls_served.get(backend, 0) + 1
 
     def _route_count(self) -> int:
         return sum(len(routes) for routes in self._routes.values())
@@ -377,7 +415,8 @@ class Target:
 
     def _add_route(self, signature: InputSignature, route: _Route) -> None:
         self._no_evidence = None
-        self._routes.setdefault(signature, []).append(route)
+        # Copy on write: other threads read the routes without the lock.
+        self._routes[signature] = [*self._routes.get(signature, ()), route]
 
     def _shared_or_new(self, job: TuningJob, signature: InputSignature) -> Decision:
         context = self._context

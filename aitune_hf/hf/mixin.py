@@ -11,6 +11,7 @@ import copy
 import copyreg
 import logging
 import statistics
+import threading
 import time
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +44,7 @@ class _AITuneState:
     measured: bool = False  # end_to_end came from measure_aitune (interleaved), not from plain calls
     auto: bool = False  # targets="auto": whole components first, blocks of those that stay eager
     rearm_at: int | None = None  # arm again after this many whole calls (the blocks of "auto" mode)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # whole calls may come from many threads
 
 
 class AITuneMixin:
@@ -176,12 +178,16 @@ class AITuneMixin:
         if self._aitune_needs_eager(kwargs):
             with registration.bypass():
                 return call(*args, **kwargs)
+        if registration.bypassed:  # an eager reference the caller asked for: not a whole call to count
+            return call(*args, **kwargs)
         tuned_before = registration.all_tuned
         untouched = not any(t.armed or t.decided for t in registration.targets.values())
         start = time.perf_counter()
         output = call(*args, **kwargs)
         seconds = time.perf_counter() - start
-        state.calls += 1
+        with state.lock:  # each count is seen by exactly one thread, so arming happens once
+            state.calls += 1
+            calls = state.calls
         if not state.measured:
             if untouched:
                 state.eager_seconds.append(seconds)
@@ -193,7 +199,7 @@ class AITuneMixin:
                 _record_end_to_end(state, state.eager_seconds, state.tuned_seconds, method)
         if state.auto and state.rearm_at is None and registration.all_tuned:
             self._aitune_descend(state)
-        if state.calls in (state.tune_after_calls, state.rearm_at):
+        if calls in (state.tune_after_calls, state.rearm_at):
             registration.tune()
         return output
 
