@@ -41,7 +41,12 @@ class TuningConfig:
         warmup: untimed runs per candidate before timing.
         repeats: timed rounds per candidate (interleaved with eager; the median counts).
         max_samples_per_signature: captured calls kept per input signature.
-        max_sample_bytes: memory cap for the captured inputs of one target.
+        max_sample_bytes: memory cap for the captured inputs of one target, across all its signatures. When a
+            new call would exceed it, the oldest samples are evicted first from signatures that keep more than
+            one, then the oldest signatures' only ones: the most recent calls are kept. A call larger than the
+            cap on its own is not recorded.
+        max_signatures: at most this many input signatures per target (routed or recorded); calls of further
+            signatures run eager, are not recorded, and are counted in the report.
         trigger: "manual" (tune when `Registration.tune()` arms it) or "after_calls=N" (arm itself after
             recording N calls).
         share_identical: identical siblings reuse the first one's decision (checked for correctness only).
@@ -72,6 +77,7 @@ class TuningConfig:
     repeats: int = 15
     max_samples_per_signature: int = 2
     max_sample_bytes: int = 512 * 2**20
+    max_signatures: int = 32
     trigger: str = "manual"
     share_identical: bool = True
     progress: bool = True
@@ -93,6 +99,7 @@ class TuningConfig:
         self.repeats = _check_int("repeats", self.repeats, 1)
         self.max_samples_per_signature = _check_int("max_samples_per_signature", self.max_samples_per_signature, 1)
         self.max_sample_bytes = _check_int("max_sample_bytes", self.max_sample_bytes, 1)
+        self.max_signatures = _check_int("max_signatures", self.max_signatures, 1)
         self.trigger = _check_trigger(self.trigger)
         self.share_identical = _check_bool("share_identical", self.share_identical)
         self.progress = _check_bool("progress", self.progress)

@@ -62,6 +62,7 @@ class ModuleReport:
     calls: dict[str, int] = field(default_factory=dict)  # backend name -> calls it served
     changes: list[str] = field(default_factory=list)  # what changed, for the latest guard failures (oldest first)
     routes: int = 0  # built routes: one per (signature, guarded module state)
+    signatures_over_limit: int = 0  # calls of signatures beyond max_signatures: run eager, not recorded
 
     @property
     def backend(self) -> str:
@@ -125,6 +126,9 @@ class TuningReport:
             if shared:  # the timings shown are the sibling's: this block was checked, not timed
                 note = f"{note}; " if note else ""
                 note += f"decision and timings shared with {shared}"
+            if report.signatures_over_limit:
+                note = f"{note}; " if note else ""
+                note += f"{report.signatures_over_limit} call(s) of signatures beyond max_signatures ran eager"
             if report.changes:  # a guard failed: say what changed since the backend was built
                 note = f"{note}; " if note else ""
                 note += f"changed since built: {report.changes[-1]} ({report.routes} route(s))"

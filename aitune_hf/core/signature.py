@@ -197,8 +197,8 @@ class Sample:
     def capture(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sample:
         """Copy the call's inputs so that later edits by the caller cannot alter them."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        nbytes = _tensor_bytes(leaves)
         objects = [leaf for leaf in leaves if not isinstance(leaf, _VALUE_LEAVES)]
+        nbytes = _tensor_bytes(leaves) + sum(_tensor_bytes(state_tensors(obj)) for obj in objects)
         reason = next((r for r in map(unreplayable_reason, objects) if r is not None), None)
         if reason is not None:
             return cls((), {}, 0, stateful=True, unreplayable=reason)

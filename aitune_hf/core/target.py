@@ -133,6 +133,7 @@ class Target:
         self.samples: dict[InputSignature, list[Sample]] = {}
         self.sample_bytes = 0
         self.calls_recorded = 0
+        self.signatures_over_limit = 0  # calls of signatures beyond config.max_signatures (run eager)
         self.tuning_seconds = 0.0
         self.calls_served: dict[str, int] = {}
         #: What changed, for the most recent guard failures.
@@ -346,19 +347,38 @@ class Target:
         return not (self._routes.get(signature) and self._route_count() >= self._context.config.max_routes)
 
     def _record(self, signature: InputSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Keep a copy of this call for tuning, within the sample bounds (config.max_sample_bytes: the most
+        recent calls are kept; config.max_signatures: further signatures are counted, not kept)."""
         config = self._context.config
         self.calls_recorded += 1
         try:
-            kept = self.samples.setdefault(signature, [])
+            known = self.samples.keys() | self._routes.keys()
+            if signature not in known and len(known) >= config.max_signatures:
+                self.signatures_over_limit += 1
+                return
+            kept = self.samples.get(signature, [])
             if len(kept) < config.max_samples_per_signature:
-                nbytes = Sample.nbytes_of(args, kwargs)
-                if self.sample_bytes + nbytes <= config.max_sample_bytes or not kept:
-                    kept.append(Sample.capture(args, kwargs))
-                    self.sample_bytes += nbytes
+                sample = Sample.capture(args, kwargs)
+                if sample.nbytes <= config.max_sample_bytes:
+                    self._evict(config.max_sample_bytes - sample.nbytes)
+                    self.samples.setdefault(signature, []).append(sample)
+                    self.sample_bytes += sample.nbytes
         except Exception:  # recording must never break the user's call
             logger.warning("%s: could not record a call; it is not used for tuning", self.name, exc_info=True)
         if config.after_calls and self._state is TargetState.RECORDING and self.calls_recorded >= config.after_calls:
             self._move(TargetState.ARMED)
+
+    def _evict(self, budget: int) -> None:
+        """Drop samples until they take at most `budget` bytes: first the oldest of signatures that keep more
+        than one, then the oldest signatures' only ones (dicts keep insertion order: oldest first)."""
+        while self.sample_bytes > budget and self.samples:
+            signature = next((sig for sig, kept in self.samples.items() if len(kept) > 1), None)
+            if signature is None:
+                signature = next(iter(self.samples))
+            kept = self.samples[signature]
+            self.sample_bytes -= kept.pop(0).nbytes
+            if not kept:
+                del self.samples[signature]
 
     # -- tuning -------------------------------------------------------------------------------------
     def _tune(self) -> None:
@@ -488,6 +508,7 @@ class Target:
             calls=dict(self.calls_served),
             changes=list(self.changes),
             routes=self._route_count(),
+            signatures_over_limit=self.signatures_over_limit,
         )
 
     def __repr__(self) -> str:

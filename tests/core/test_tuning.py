@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -290,20 +291,41 @@ def test_calls_with_autograd_only_consider_autograd_capable_backends() -> None:
         assert "cannot backpropagate" in reg.targets["block"].reason
 
 
-def test_sample_memory_is_capped() -> None:
+def test_sample_memory_is_capped_across_signatures_keeping_the_latest_calls() -> None:
     block = MLPBlock().eval()
-    with (
-        register(
-            {"block": block}, _config(backends=[], max_sample_bytes=2 * 32 * 4 * 2, max_samples_per_signature=10)
-        ) as reg,
-        torch.no_grad(),
-    ):
+    cap = 2 * 32 * 4 * 2  # two calls of batch 2
+    config = _config(backends=[], max_sample_bytes=cap, max_samples_per_signature=10)
+    with register({"block": block}, config) as reg, torch.no_grad():
         for batch in (2, 2, 2, 3):
             block(torch.randn(batch, 32))
         target = reg.targets["block"]
-        assert target.calls_recorded == 4
-        assert target.sample_bytes <= 2 * 32 * 4 * 2 + 3 * 32 * 4  # the first call of a signature is kept
-        assert sorted(len(v) for v in target.samples.values()) == [1, 2]
+        assert target.calls_recorded == 4 and target.sample_bytes <= cap
+        assert [sig.tensor_specs[0].shape for sig in target.samples] == [(3, 32)]  # the latest call is kept
+        block(torch.randn(200, 32))  # larger than the cap on its own: not recorded
+        assert target.sample_bytes <= cap and len(target.samples) == 1
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_thousand_calls_of_changing_shapes_stay_within_the_bounds() -> None:
+    block = MLPBlock().eval()
+    cap, signatures = 64 * 1024, 16
+    config = _config(backends=[], max_sample_bytes=cap, max_signatures=signatures)
+    with register({"block": block}, config) as reg, torch.no_grad():
+        target = reg.targets["block"]
+        rss = []
+        for i in range(1000):
+            block(torch.randn(1 + i % 50, 32))  # 50 shapes, up to 6.4 KB a call
+            assert target.sample_bytes <= cap
+            if i in (199, 999):
+                rss.append(_rss_bytes())
+        assert len(target.samples) <= signatures
+        assert target.report().signatures_over_limit == 1000 - 20 * signatures  # shapes 17-50 are not kept
+        assert "beyond max_signatures ran eager" in str(reg.report())
+        assert rss[1] - rss[0] < 16 * 2**20  # flat: within 16 MiB between call 200 and call 1000
 
 
 def test_identical_siblings_share_one_decision() -> None:
@@ -389,3 +411,19 @@ def test_bypass_runs_the_original_forward_and_records_nothing() -> None:
         block(torch.randn(4, 16))
     assert target.calls_served == served and not target.samples and not reg.bypassed
     reg.detach()
+
+
+def test_detach_releases_built_backends_and_sessions() -> None:
+    import gc
+    import weakref
+
+    block = ManyOpsBlock().eval()
+    reg, _, _ = _tune_once(block, _config(backends=["onnxruntime"], min_speedup=0), torch.randn(1, 16))
+    route = next(iter(reg.targets["block"]._routes.values()))[0]
+    runner = weakref.ref(route.built.fn)
+    session = weakref.ref(route.built.fn.session)
+    guard = weakref.ref(route.guard)
+    del route
+    reg.detach()
+    gc.collect()
+    assert runner() is None and session() is None and guard() is None
