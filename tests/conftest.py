@@ -1,9 +1,25 @@
-"""Shared test settings: quiet logs, fixed seeds, a gpu marker that skips with a reason on CPU."""
+"""Shared test settings: quiet logs, fixed seeds, a gpu marker that skips with a reason on CPU, and a check that
+no test leaves process-wide state changed."""
 
 from __future__ import annotations
 
+import logging
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
+
+#: Loggers whose levels every test must leave as it found them ("" is the root logger).
+WATCHED_LOGGERS = ("", "torch.onnx", "onnxscript", "onnx_ir", "torch.export", "torch._export")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # torch 2.13's ONNX exporter warns this from inside torch on every export (a deepcopy of a pytree LeafSpec);
+    # the backend no longer silences warnings (not thread-safe), so the tests do, for this one only.
+    config.addinivalue_line("filterwarnings", r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -18,3 +34,86 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def process_state() -> dict[str, Any]:
+    """What tuning must never leave changed (issue 8): the standard streams, the warnings filters, the
+    levels of the exporter loggers and the root logger, and torch's compiling/exporting flags."""
+    return {
+        "sys.stdout": sys.stdout,
+        "sys.stderr": sys.stderr,
+        "warnings.filters": list(warnings.filters),
+        **{f"level of logger {name or 'root'!r}": logging.getLogger(name).level for name in WATCHED_LOGGERS},
+        "torch.compiler.is_compiling()": torch.compiler.is_compiling(),
+        "torch.compiler.is_exporting()": torch.compiler.is_exporting(),
+    }
+
+
+def state_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """One line per entry of `process_state()` that differs (streams by identity, the rest by value)."""
+    changes = []
+    for key, old in before.items():
+        new = after[key]
+        same = new is old if key.startswith("sys.") else new == old
+        if not same:
+            if key == "warnings.filters":
+                added = [f for f in new if f not in old]
+                removed = [f for f in old if f not in new]
+                changes.append(f"{key}: added {added}, removed {removed}" if added or removed else f"{key}: reordered")
+            else:
+                changes.append(f"{key}: {old!r} -> {new!r}")
+    return changes
+
+
+def restore_process_state(state: dict[str, Any]) -> None:
+    """Puts back what `process_state()` recorded, so that one leaking test does not leak into the next."""
+    for key, value in state.items():
+        if key.startswith("sys."):
+            setattr(sys, key[4:], value)
+        elif key == "warnings.filters":
+            warnings.filters[:] = value
+            warnings._filters_mutated()  # type: ignore[attr-defined]
+        elif key.startswith("level of logger "):
+            name = key[len("level of logger ") :].strip("'")
+            logging.getLogger("" if name == "root" else name).setLevel(value)
+        elif key == "torch.compiler.is_compiling()":
+            torch.compiler._is_compiling_flag = value
+        elif key == "torch.compiler.is_exporting()":
+            torch.compiler._is_exporting_flag = value
+
+
+@pytest.fixture(autouse=True)
+def _process_state_unchanged() -> Iterator[None]:
+    """Fails a test that leaves process-wide state changed.
+
+    The snapshot is taken in this fixture's setup and compared at its teardown: both run inside the warnings
+    context pytest opens once around the whole test (setup, call, teardown), and with the same capture and log
+    level pytest applies to every phase, so pytest's own changes show in both and are never reported (pytest
+    also puts the streams and the root level back after each phase, hiding a test body's change to them:
+    `pytest_runtest_call` below checks those around the call). Being
+    autouse, this fixture is set up before, and torn down after, the test's other fixtures (caplog, capsys,
+    monkeypatch, recwarn), so what they restore is restored when it compares.
+    """
+    before = process_state()
+    yield
+    changes = state_changes(before, process_state())
+    if changes:
+        restore_process_state(before)
+        pytest.fail("the test left process-wide state changed:\n  " + "\n  ".join(changes), pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """The same check, for what pytest itself puts back after each phase and would hide from the fixture:
+    sys.stdout/stderr (its capture) and the root logger's level (its log capture; not for a test that uses
+    caplog, whose `set_level` holds until caplog's teardown). `trylast`: this wrapper runs inside pytest's, so
+    it sees the test body's streams. A test that replaces a stream on purpose restores it before it returns
+    (capsys, or `monkeypatch.context()`)."""
+    keys = ["sys.stdout", "sys.stderr"] + ([] if "caplog" in item.fixturenames else ["level of logger 'root'"])
+    before = {key: process_state()[key] for key in keys}
+    result = yield
+    changes = state_changes(before, {key: process_state()[key] for key in keys})
+    if changes:
+        restore_process_state(before)
+        pytest.fail("the test left process-wide state changed:\n  " + "\n  ".join(changes), pytrace=False)
+    return result

@@ -53,6 +53,11 @@ class TuningConfig:
         progress: show a tqdm progress bar over targets while tuning.
         max_routes: at most this many built routes per target: one per input signature and guarded module
             state; beyond it, calls in a new state run eager and the report says why.
+        weight_check: how the values of weights a backend baked are verified before each call it serves.
+            "sampled" (default): every row and every column of every weight matrix (diagonal views, about
+            max(rows, cols) elements each), exactly; sees every edit of a whole tensor, a row or a column, and
+            misses an edit confined to a few scattered elements. "full": every element (one pass over the
+            weights per call: 5-10% of a MiniLM call at batch 1, 32 tokens).
         retune: after a guard failure (module state or structure changed since a backend was built), re-tune
             on its own at a later call; False: only when `tune()` is called.
 
@@ -83,6 +88,7 @@ class TuningConfig:
     progress: bool = True
     max_routes: int = 8
     retune: bool = True
+    weight_check: str = "sampled"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -105,6 +111,8 @@ class TuningConfig:
         self.progress = _check_bool("progress", self.progress)
         self.max_routes = _check_int("max_routes", self.max_routes, 1)
         self.retune = _check_bool("retune", self.retune)
+        if self.weight_check not in ("sampled", "full"):
+            raise _error("weight_check", self.weight_check, "'sampled' or 'full'")
 
     @property
     def after_calls(self) -> int | None:

@@ -198,7 +198,7 @@ class ModuleGuard:
         weights: also verify the values of every parameter and buffer (for a backend that baked them).
     """
 
-    def __init__(self, module: torch.nn.Module, weights: bool = False) -> None:
+    def __init__(self, module: torch.nn.Module, weights: bool = False, weight_check: str = "sampled") -> None:
         owners: list[tuple[str, Any]] = []
         seen: set[int] = set()
 
@@ -222,7 +222,7 @@ class ModuleGuard:
         self._paths = tuple(path for path, _ in owners)
         self._live = tuple(_Without(vars(obj), ROOT_PLUMBING) if obj is module else vars(obj) for _, obj in owners)
         self._frozen = tuple(_freeze_state(live.view() if isinstance(live, _Without) else live) for live in self._live)
-        self._weights = _WeightValues(module) if weights else None
+        self._weights = (_WeightValues if weight_check == "full" else _WeightSamples)(module) if weights else None
 
     def check(self) -> str | None:
         """None while everything holds; else a description of the first change found."""
@@ -255,7 +255,10 @@ class ModuleGuard:
                 if change is not None:
                     return f"{where}.{key} {change}"
         if self._weights is not None:
-            change = self._weights.explain()
+            try:
+                change = self._weights.explain()
+            except Exception as error:  # a tensor went to the meta device, or cannot be read
+                change = f"baked weights could not be read back ({type(error).__name__}: {error})"
             if change is not None:
                 return change
         return "module state changed"
@@ -292,6 +295,84 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _weight_places(module: torch.nn.Module) -> list[tuple[str, dict[str, Any], str]]:
+    """(name, table, key) of every parameter and buffer of `module`, tied ones once: read afresh on each check,
+    since an offload hook re-assigns buffers and `.data` between calls, and `p.data = t` swaps what `p` holds."""
+    places: list[tuple[str, dict[str, Any], str]] = []
+    seen: set[int] = set()
+    for owner_name, owner in module.named_modules():
+        for table in (owner._parameters, owner._buffers):
+            for key, tensor in table.items():
+                if tensor is not None and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    places.append((f"{owner_name}.{key}" if owner_name else key, table, key))
+    return places
+
+
+def _covering_views(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Views that together read every row and every column of `tensor` (as a matrix over its first dim):
+    diagonals of the [rows, rest] matrix, offset until every column is covered. 1-D and small tensors whole."""
+    flat = tensor.detach()
+    if flat.dim() < 2 or flat.numel() <= 4096 or not flat.is_contiguous():
+        return [flat]  # read whole (a non-contiguous one is flattened, from its live values, on each read)
+    matrix = flat.view(flat.shape[0], -1)
+    rows, cols = matrix.shape
+    if rows >= cols:
+        return [matrix.diagonal(-offset) for offset in range(0, rows, cols)]
+    return [matrix.diagonal(offset) for offset in range(0, cols, rows)]
+
+
+class _WeightSamples:
+    """Every row and every column of every baked tensor, read through diagonal views (about max(rows, cols)
+    elements per matrix), compared exactly with their values at build time; one `torch.cat` per check.
+
+    Sees every edit that touches a whole tensor, a row or a column: `p.data.add_()` (no version bump), LoRA
+    merges (a dense delta), `load_state_dict`, `p.data = t` (the storage moves: the views are re-taken and
+    compared), pruning a row or a column. Misses an edit confined to elements off those diagonals (a few
+    scattered elements): `weight_check="full"` reads every element instead, at the cost of one pass over the
+    weights per call.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._places = _weight_places(module)
+        self._views, self._pointers = self._take()
+        self._expected = self._read(self._views).clone()
+
+    def _take(self) -> tuple[list[torch.Tensor], list[int]]:
+        tensors = [table[key] for _, table, key in self._places]
+        return [view for t in tensors for view in _covering_views(t)], [t.data_ptr() for t in tensors]
+
+    @staticmethod
+    def _read(views: list[torch.Tensor]) -> torch.Tensor:
+        """The sampled values as one tensor (dtypes promoted; several devices gathered on the CPU)."""
+        if not views:
+            return torch.empty(0)
+        with torch.no_grad():
+            flat = [view.reshape(-1) for view in views]
+            try:
+                return torch.cat(flat)
+            except RuntimeError:  # tensors on several devices
+                return torch.cat([view.cpu() for view in flat])
+
+    def holds(self) -> bool:
+        pointers = [table[key].data_ptr() for _, table, key in self._places]
+        if pointers != self._pointers:  # re-assigned (an offload copy, `p.data = t`): read the new storage
+            self._views, self._pointers = self._take()
+        return torch.equal(self._read(self._views), self._expected)
+
+    def explain(self) -> str | None:
+        if self.holds():
+            return None
+        offset = 0
+        current = self._read(self._views)
+        for name, table, key in self._places:
+            size = sum(v.numel() for v in _covering_views(table[key]))
+            if not torch.equal(current[offset : offset + size], self._expected[offset : offset + size]):
+                return f"weight {name} was modified (baked into the backend)"
+            offset += size
+        return "weights were modified (baked into the backend)"
+
+
 class _WeightValues:
     """The L2 norm of every floating-point parameter and buffer (one foreach pass); other tensors exactly.
 
@@ -300,14 +381,7 @@ class _WeightValues:
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
-        places: list[tuple[str, dict[str, Any], str]] = []
-        seen: set[int] = set()
-        for owner_name, owner in module.named_modules():
-            for table in (owner._parameters, owner._buffers):
-                for key, tensor in table.items():
-                    if tensor is not None and id(tensor) not in seen:  # tied weights once
-                        seen.add(id(tensor))
-                        places.append((f"{owner_name}.{key}" if owner_name else key, table, key))
+        places = _weight_places(module)
         self._names = [name for name, table, key in places if table[key].is_floating_point()]
         self._floats = [(table, key) for _, table, key in places if table[key].is_floating_point()]
         self._others = [

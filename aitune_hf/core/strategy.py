@@ -142,7 +142,9 @@ class TuningJob:
                         result.error = f"wrong output: {check.reason}"
                         return result, None
             result.max_abs_error = worst
-            self.guards[result.backend] = ModuleGuard(self.module, weights=built.bakes_weights)
+            self.guards[result.backend] = ModuleGuard(
+                self.module, weights=built.bakes_weights, weight_check=self.config.weight_check
+            )
             return result, built
         except Exception as error:  # a failing backend is a finding, not a crash
             logger.debug("%s failed on %s", backend.describe(), self.signature, exc_info=True)

@@ -133,3 +133,30 @@ def test_a_module_state_guard_without_weights_ignores_values() -> None:
     guard = ModuleGuard(block)
     block.inner.weight.data.add_(1.0)  # live-weight backends read it: not a guard failure
     assert guard.check() is None
+
+
+@pytest.mark.parametrize("weight_check", ["sampled", "full"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda w: w.data.add_(0.01),  # a whole tensor, no version bump
+        lambda w: w.data[3].zero_(),  # one row
+        lambda w: w.data[:, 5].mul_(2.0),  # one column (pruning an input feature)
+        lambda w: setattr(w, "data", w.data * 1.5),  # the storage moves
+    ],
+    ids=["whole", "row", "column", "reassigned"],
+)
+def test_baked_weight_checks_see_whole_row_and_column_edits(weight_check: str, edit) -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(96, 200), nn.Linear(200, 64))  # big enough to be sampled by diagonals
+    guard = ModuleGuard(block, weights=True, weight_check=weight_check)
+    assert guard.check() is None
+    edit(block[1].weight)
+    assert "weight 1.weight was modified" in (guard.check() or ""), guard.check()
+
+
+def test_full_weight_check_sees_a_single_element() -> None:
+    block = nn.Sequential(nn.Linear(96, 200))
+    guard = ModuleGuard(block, weights=True, weight_check="full")
+    block[0].weight.data[7, 50] += 1.0  # off every diagonal the sampled check reads
+    assert "0.weight was modified" in (guard.check() or "")
