@@ -20,6 +20,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # torch 2.13's ONNX exporter warns this from inside torch on every export (a deepcopy of a pytree LeafSpec);
     # the backend no longer silences warnings (not thread-safe), so the tests do, for this one only.
     config.addinivalue_line("filterwarnings", r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")
+    # Libraries that add warnings filters when first imported (sympy, imported by the first export or compile):
+    # imported here, once, so that the per-test check below sees what a test did, not what an import did.
+    import sympy  # noqa: F401
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -110,6 +110,8 @@ class _TensorSlot:
         self.shape, self.dtype, self.device_type = tensor.shape, tensor.dtype, tensor.device.type
 
     def __eq__(self, other: object) -> bool:
+        if other is None:
+            return False
         return (
             isinstance(other, torch.Tensor)
             and other.shape == self.shape
@@ -145,16 +147,22 @@ class _SameType:
         return f"a {self.kind.__name__}"
 
 
+_TABLES = ("_parameters", "_buffers")
+
+
+def _matches(slot: _TensorSlot | None, value: Any) -> bool:
+    """Whether a table entry still fits its slot (None stays None)."""
+    return value is None if slot is None else slot == value
+
+
 def _freeze_state(state: dict[str, Any]) -> dict[str, Any]:
-    """The snapshot of an object's `__dict__`; a module's parameter and buffer tables keep tensor slots, and
-    its hook attributes their types."""
+    """The snapshot of an object's `__dict__`; a module's hook attributes keep their types. Its parameter and
+    buffer tables keep the tensors themselves (compared by identity on the fast path; `ModuleGuard` accepts
+    a re-assigned tensor of the same shape, dtype and device type, and then takes it as the new snapshot)."""
     frozen = _freeze(state)
     if "_parameters" in state:  # a module
         for key in HOOK_KEYS & state.keys():
             frozen[key] = _SameType(state[key])
-    for table in ("_parameters", "_buffers"):
-        if isinstance(state.get(table), dict):
-            frozen[table] = {k: v if v is None else _TensorSlot(v) for k, v in state[table].items()}
     return frozen
 
 
@@ -222,17 +230,40 @@ class ModuleGuard:
         self._paths = tuple(path for path, _ in owners)
         self._live = tuple(_Without(vars(obj), ROOT_PLUMBING) if obj is module else vars(obj) for _, obj in owners)
         self._frozen = tuple(_freeze_state(live.view() if isinstance(live, _Without) else live) for live in self._live)
+        #: (snapshot, table name, live table, slots): what a re-assigned parameter or buffer must still match.
+        self._tables = tuple(
+            (frozen, name, live[name], {k: None if t is None else _TensorSlot(t) for k, t in live[name].items()})
+            for frozen, live in zip(self._frozen, (vars(obj) for _, obj in owners), strict=True)
+            for name in _TABLES
+            if isinstance(live.get(name), dict)
+        )
         self._weights = (_WeightValues if weight_check == "full" else _WeightSamples)(module) if weights else None
 
     def check(self) -> str | None:
         """None while everything holds; else a description of the first change found."""
-        try:
-            # Snapshots on the left: dict comparison calls the left value's __eq__ first.
-            if self._frozen == self._live and (self._weights is None or self._weights.holds()):
-                return None
-        except Exception:
-            pass
+        for attempt in range(2):
+            try:
+                # Snapshots on the left: dict comparison calls the left value's __eq__ first.
+                if self._frozen == self._live and (self._weights is None or self._weights.holds()):
+                    return None
+            except Exception:  # a tensor compared with another: not the same object
+                pass
+            if attempt == 0 and not self._retake_tables():
+                break
         return self._explain()
+
+    def _retake_tables(self) -> bool:
+        """Accept parameters and buffers re-assigned with the same shape, dtype and device type (model CPU
+        offload's `.to()` on every call) as the new snapshot. False when a table really changed."""
+        moved = False
+        for frozen, name, live, slots in self._tables:
+            if frozen[name].keys() == live.keys() and all(frozen[name][k] is v for k, v in live.items()):
+                continue
+            if live.keys() != slots.keys() or not all(_matches(slot, live[key]) for key, slot in slots.items()):
+                return False
+            frozen[name] = dict(live)
+            moved = True
+        return moved
 
     def _explain(self) -> str:
         for path, live, frozen in zip(self._paths, self._live, self._frozen, strict=True):
@@ -243,12 +274,13 @@ class ModuleGuard:
             for key in sorted(live.keys() - frozen.keys()):
                 return f"{where}.{key} was added ({_short(live[key])})"
             for key, old in frozen.items():
-                if key in ("_parameters", "_buffers"):
-                    added, removed = sorted(live[key].keys() - old.keys()), sorted(old.keys() - live[key].keys())
+                if key in _TABLES:
+                    slots = next(s for f, n, _, s in self._tables if f is frozen and n == key)
+                    added, removed = sorted(live[key].keys() - slots.keys()), sorted(slots.keys() - live[key].keys())
                     if added or removed:
                         return f"{where}.{key} changed: added {added}, removed {removed}"
-                    for name, slot in old.items():
-                        if not slot == live[key].get(name):  # noqa: SIM201 - the slot's __eq__ decides
+                    for name, slot in slots.items():
+                        if not _matches(slot, live[key].get(name)):
                             return f"{where}.{name} changed to {_short(live[key].get(name))} (was {slot!r})"
                     continue
                 change = _difference(old, live[key])
@@ -313,8 +345,10 @@ def _covering_views(tensor: torch.Tensor) -> list[torch.Tensor]:
     """Views that together read every row and every column of `tensor` (as a matrix over its first dim):
     diagonals of the [rows, rest] matrix, offset until every column is covered. 1-D and small tensors whole."""
     flat = tensor.detach()
-    if flat.dim() < 2 or flat.numel() <= 4096 or not flat.is_contiguous():
-        return [flat]  # read whole (a non-contiguous one is flattened, from its live values, on each read)
+    if not flat.is_contiguous():
+        return [flat]  # read whole: flattened, from its live values, on each read
+    if flat.dim() < 2 or flat.numel() <= 4096:
+        return [flat.view(-1)]  # a view: it sees in-place edits
     matrix = flat.view(flat.shape[0], -1)
     rows, cols = matrix.shape
     if rows >= cols:
@@ -348,7 +382,7 @@ class _WeightSamples:
         if not views:
             return torch.empty(0)
         with torch.no_grad():
-            flat = [view.reshape(-1) for view in views]
+            flat = views if all(view.dim() == 1 for view in views) else [view.reshape(-1) for view in views]
             try:
                 return torch.cat(flat)
             except RuntimeError:  # tensors on several devices

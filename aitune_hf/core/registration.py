@@ -92,6 +92,8 @@ class Registration:
     Usable as a context manager: leaving the `with` block detaches.
     """
 
+    _aitune_guard_opaque = True  # guards compare it by identity, never its state
+
     def __init__(self, modules: dict[str, torch.nn.Module], config: TuningConfig) -> None:
         self.config = config
         strategy: Strategy = resolve_strategy(config.strategy)

@@ -120,6 +120,8 @@ class _ForwardRouter:
 class Target:
     """One registered module. Created and installed by `register`; read through `Registration`."""
 
+    _aitune_guard_opaque = True  # guards compare it by identity, never its state
+
     def __init__(self, name: str, module: torch.nn.Module, context: TuningContext) -> None:
         self.name = name
         self.module = module

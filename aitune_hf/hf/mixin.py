@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 class _AITuneState:
     """What the mixin keeps per object: the registration, how it was made, and whole-call timings."""
 
+    _aitune_guard_opaque = True  # lives in a model's __dict__: guards compare it by identity, never its counters
+
     registration: Registration
     options: dict[str, Any]
     found: list[FoundTarget]

@@ -160,3 +160,16 @@ def test_full_weight_check_sees_a_single_element() -> None:
     guard = ModuleGuard(block, weights=True, weight_check="full")
     block[0].weight.data[7, 50] += 1.0  # off every diagonal the sampled check reads
     assert "0.weight was modified" in (guard.check() or "")
+
+
+def test_aitune_bookkeeping_held_by_a_module_is_not_module_state() -> None:
+    """A model that holds its own registration (the HF mixin keeps it in the model's __dict__, and a whole model
+    can be a target) must not fail its guard every call because the registration's counters move."""
+    block = Block().eval()
+    reg = register({"block": block}, ORT)
+    block.__dict__["_aitune_registration"] = reg
+    guard = ModuleGuard(block)
+    with torch.no_grad():
+        block(torch.randn(2, 8))  # records: counters change
+    assert guard.check() is None
+    reg.detach()

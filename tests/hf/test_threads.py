@@ -71,8 +71,15 @@ def test_a_model_called_from_8_threads_while_it_tunes() -> None:
     for target in registration.targets.values():
         report = target.report()
         assert target.state is TargetState.TUNED, registration.report()
-        assert report.routes == 2 and not report.changes  # one route per signature: tuned once each
+        # Never tuned twice: at most one route per signature. A signature first recorded while its block was
+        # tuning the other one runs eager until the next tune(), as any new signature after tuning does.
+        assert report.routes <= 2 and not report.changes
         assert report.calls.get("onnxruntime", 0) > 0
+    registration.tune()
+    with torch.no_grad():
+        for which, batch in enumerate(batches):
+            torch.testing.assert_close(model(**batch).last_hidden_state, expected[which], atol=1e-4, rtol=1e-4)
+    assert all(target.report().routes == 2 for target in registration.targets.values()), registration.report()
     model.disable_aitune()
     assert unpatched(model.modules())
 
