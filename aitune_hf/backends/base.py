@@ -46,7 +46,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
-        """Build a callable equivalent to ``forward`` for calls shaped like ``samples`` (one signature)."""
+        """Build a callable equivalent to ``forward`` for calls shaped like ``samples`` (one signature).
+
+        Must not change ``module``, even for a moment: other threads keep calling it eagerly while it builds
+        (a tracer that swaps parameters, as ``torch.export`` does, must work on a copy)."""
 
     def describe(self) -> str:
         """The name shown in reports (options included)."""

@@ -9,12 +9,14 @@ core watches them. See `OnnxRuntimeBackend` for why "baked" is the default.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 import logging
 import shutil
 import tempfile
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -116,7 +118,11 @@ class OnnxRuntimeBackend(Backend):
         if not out_tensor_positions:
             raise TypeError("the forward returns no tensor; nothing to export")
 
-        flat = _FlatForward(module, forward, in_leaves, in_spec, tensor_positions, list(weights)).train(module.training)
+        # The exporter swaps the module's parameters for fake tensors while it traces: export a private copy, so
+        # that other threads can keep calling the user's module meanwhile. The session reads nothing of it.
+        twin, twin_forward = _private_twin(module, forward)
+        flat = _FlatForward(twin, twin_forward, in_leaves, in_spec, tensor_positions, list(weights))
+        flat = flat.train(module.training)
         weight_names = [f"weight_{i}" for i in range(len(weights))]
         input_names = [f"input_{i}" for i in range(len(tensor_positions))]
         output_names = [f"output_{i}" for i in range(len(out_tensor_positions))]
@@ -182,6 +188,20 @@ class OnnxRuntimeBackend(Backend):
         path = directory / f"{type(module).__name__}_{id(module):x}_{len(list(directory.iterdir()))}.onnx"
         program.save(str(path), external_data=large)
         return str(path), path, None if self.artifact_dir else directory
+
+
+def _private_twin(module: torch.nn.Module, forward: Callable[..., Any]) -> tuple[torch.nn.Module, Callable[..., Any]]:
+    """A deep copy of `module` and `forward` bound to it, for the exporter to trace. Falls back to the module
+    itself (then other threads must not call it while exporting) when the forward is not the module's own
+    bound method or the module cannot be copied."""
+    if getattr(forward, "__self__", None) is not module or not hasattr(forward, "__func__"):
+        return module, forward
+    try:
+        with torch.no_grad():
+            twin = copy.deepcopy(module)
+    except Exception:
+        return module, forward
+    return twin, types.MethodType(forward.__func__, twin)
 
 
 class _FlatForward(torch.nn.Module):

@@ -144,9 +144,8 @@ class Target:
         self._slot: ForwardSlot | None = None
         self._original: Callable[..., Any] | None = None
         self._router: _ForwardRouter | None = None
-        #: Held while state, samples or routes change, and while this target tunes (other callers wait).
+        #: Held while state, samples or routes change, and while this target tunes.
         self._lock = threading.RLock()
-        self._tuner: int | None = None  # the thread tuning this target now
 
     # -- state --------------------------------------------------------------------------------------
     @property
@@ -252,12 +251,9 @@ class Target:
     def call(self, *args: Any, **kwargs: Any) -> Any:
         """Route one forward call (from any thread)."""
         state = self._state
-        if state is TargetState.TUNING:
-            if self._tuner == threading.get_ident():
-                return self.original_forward(*args, **kwargs)
-            with self._lock:  # another thread is tuning this module (an export swaps its parameters): wait
-                state = self._state
-        if state is TargetState.DETACHED or self._pinned or self._context.bypassed():
+        # While it tunes (in this thread or another), the module runs eager: backends build without touching it
+        # (`Backend.build`), so other threads never wait for a tuning.
+        if state in (TargetState.TUNING, TargetState.DETACHED) or self._pinned or self._context.bypassed():
             return self.original_forward(*args, **kwargs)
         signature = signature_of(args, kwargs)
         route, change = self._lookup(signature)
@@ -284,11 +280,7 @@ class Target:
             with self._lock:
                 if self._state is not TargetState.ARMED:  # another thread tuned it meanwhile
                     return True
-                self._tuner = threading.get_ident()
-                try:
-                    self._tune()
-                finally:
-                    self._tuner = None
+                self._tune()
             return True
         finally:
             _TUNING.release()
@@ -386,6 +378,9 @@ class Target:
     def _tune(self) -> None:
         """Tune every signature with recorded calls. Contained: only KeyboardInterrupt / SystemExit leave it,
         and they leave a working state (routes that hold keep serving; the rest runs eager)."""
+        # Calls recorded while another thread was tuning may already have a route that holds: nothing to tune.
+        for signature in [sig for sig in self.samples if self._lookup(sig)[0] is not None]:
+            self.sample_bytes -= sum(sample.nbytes for sample in self.samples.pop(signature))
         pending = [signature for signature, kept in self.samples.items() if kept]
         if not pending:
             self._settle()

@@ -196,3 +196,35 @@ def test_tied_weights(weights: str) -> None:
 def test_invalid_weights_option() -> None:
     with pytest.raises(ConfigError, match=r"weights='frozen'.*'baked', 'live'"):
         OnnxRuntimeBackend(weights="frozen")
+
+
+@pytest.mark.parametrize("weights", ["live", "baked"])
+def test_building_never_touches_the_module_other_threads_are_calling(weights: str) -> None:
+    """The exporter swaps a module's parameters for fake tensors while it traces: the backend exports a copy,
+    so a server thread calling the same module meanwhile keeps getting real, correct outputs."""
+    import threading
+
+    module = MLP(width=32).eval()
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        expected = module(x)
+    done, seen, errors = threading.Event(), [], []
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                with torch.no_grad():
+                    out = module(x)
+                seen.append(type(out) is torch.Tensor and torch.equal(out, expected))
+            except Exception as error:
+                errors.append(error)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        built = OnnxRuntimeBackend(intra_op_num_threads=1, weights=weights).build(module, module.forward, [((x,), {})])
+    finally:
+        done.set()
+        server.join()
+    assert not errors and seen and all(seen), (errors[:1], seen.count(False))
+    check(built, module, x)

@@ -71,15 +71,19 @@ def test_a_model_called_from_8_threads_while_it_tunes() -> None:
     for target in registration.targets.values():
         report = target.report()
         assert target.state is TargetState.TUNED, registration.report()
-        # Never tuned twice: at most one route per signature. A signature first recorded while its block was
-        # tuning the other one runs eager until the next tune(), as any new signature after tuning does.
-        assert report.routes <= 2 and not report.changes
+        # Never tuned twice: one route per signature. (While any thread exports or compiles, torch's global
+        # "compiling" flag makes Transformers build the attention mask another way in every thread, so a block
+        # may see a third signature; its outputs are still eager's.) A signature first recorded while its block
+        # was tuning another one runs eager until the next tune(), as any new signature after tuning does.
+        assert all(len(routes) == 1 for routes in target._routes.values()) and not report.changes
         assert report.calls.get("onnxruntime", 0) > 0
     registration.tune()
     with torch.no_grad():
         for which, batch in enumerate(batches):
             torch.testing.assert_close(model(**batch).last_hidden_state, expected[which], atol=1e-4, rtol=1e-4)
-    assert all(target.report().routes == 2 for target in registration.targets.values()), registration.report()
+    for target in registration.targets.values():
+        assert all(target._lookup(signature)[0] is not None for signature in target._routes)
+        assert all(len(routes) == 1 for routes in target._routes.values()), registration.report()
     model.disable_aitune()
     assert unpatched(model.modules())
 
