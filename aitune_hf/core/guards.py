@@ -368,7 +368,7 @@ class _WeightSamples:
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self._places = _weight_places(module)
+        self.places = self._places = _weight_places(module)
         self._views, self._pointers = self._take()
         self._expected = self._read(self._views).clone()
 
@@ -415,7 +415,7 @@ class _WeightValues:
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
-        places = _weight_places(module)
+        self.places = places = _weight_places(module)
         self._names = [name for name, table, key in places if table[key].is_floating_point()]
         self._floats = [(table, key) for _, table, key in places if table[key].is_floating_point()]
         self._others = [

@@ -188,11 +188,6 @@ class Sample:
     stateful: bool = False
     unreplayable: str | None = None
 
-    @staticmethod
-    def nbytes_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        """Bytes that capturing this call would copy (tensor leaves)."""
-        return _tensor_bytes(pytree.tree_leaves((args, kwargs)))
-
     @classmethod
     def capture(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sample:
         """Copy the call's inputs so that later edits by the caller cannot alter them."""
