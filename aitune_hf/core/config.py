@@ -54,10 +54,10 @@ class TuningConfig:
         max_routes: at most this many built routes per target: one per input signature and guarded module
             state; beyond it, calls in a new state run eager and the report says why.
         weight_check: how the values of weights a backend baked are verified before each call it serves.
-            "sampled" (default): every row and every column of every weight matrix (diagonal views, about
-            max(rows, cols) elements each), exactly; sees every edit of a whole tensor, a row or a column, and
-            misses an edit confined to a few scattered elements. "full": every element (one pass over the
-            weights per call: 5-10% of a MiniLM call at batch 1, 32 tokens).
+            "sampled" (default): each tensor's version counter and storage pointer (when they move, that tensor
+            is compared in full) plus about 16 spread elements per tensor; misses only a write through `.data`
+            (no version bump) confined to a few rows or elements. "full": every tensor in full on every call
+            (one pass over the weights: 5-10% of a MiniLM call at batch 1, 32 tokens).
         retune: after a guard failure (module state or structure changed since a backend was built), re-tune
             on its own at a later call; False: only when `tune()` is called.
 

@@ -341,40 +341,55 @@ def _weight_places(module: torch.nn.Module) -> list[tuple[str, dict[str, Any], s
     return places
 
 
-def _covering_views(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Views that together read every row and every column of `tensor` (as a matrix over its first dim):
-    diagonals of the [rows, rest] matrix, offset until every column is covered. 1-D and small tensors whole."""
+#: Elements read per baked tensor on every call by the sampled weight check.
+_SAMPLES_PER_TENSOR = 16
+
+
+def _sample_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A strided view of about `_SAMPLES_PER_TENSOR` elements spread over `tensor` (whole when small): it reads
+    the live storage, so in-place edits are seen. A non-contiguous tensor is read whole."""
     flat = tensor.detach()
     if not flat.is_contiguous():
-        return [flat]  # read whole: flattened, from its live values, on each read
-    if flat.dim() < 2 or flat.numel() <= 4096:
-        return [flat.view(-1)]  # a view: it sees in-place edits
-    matrix = flat.view(flat.shape[0], -1)
-    rows, cols = matrix.shape
-    if rows >= cols:
-        return [matrix.diagonal(-offset) for offset in range(0, rows, cols)]
-    return [matrix.diagonal(offset) for offset in range(0, cols, rows)]
+        return flat
+    flat = flat.view(-1)
+    stride = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
+    return flat[stride // 2 :: stride]
+
+
+def _stamp(tensor: torch.Tensor) -> tuple[int | None, int]:
+    """(version counter, storage pointer): what moves when a tensor is written through autograd's view or
+    re-assigned. Inference tensors keep no version counter."""
+    try:
+        return tensor._version, tensor.data_ptr()
+    except RuntimeError:
+        return None, tensor.data_ptr()
 
 
 class _WeightSamples:
-    """Every row and every column of every baked tensor, read through diagonal views (about max(rows, cols)
-    elements per matrix), compared exactly with their values at build time; one `torch.cat` per check.
+    """The cheap check of baked weights, in two parts that together see every realistic edit:
 
-    Sees every edit that touches a whole tensor, a row or a column: `p.data.add_()` (no version bump), LoRA
-    merges (a dense delta), `load_state_dict`, `p.data = t` (the storage moves: the views are re-taken and
-    compared), pruning a row or a column. Misses an edit confined to elements off those diagonals (a few
-    scattered elements): `weight_check="full"` reads every element instead, at the cost of one pass over the
-    weights per call.
+    - each tensor's version counter and storage pointer. Any write that autograd sees (`p.add_()` under
+      no_grad, an optimizer step, `load_state_dict`, which copies into every tensor) bumps the version, and
+      `p.data = t` or an offload copy moves the pointer. Then that tensor is compared in full with its value
+      at build time (its L2 norm, or exactly for integer tensors): equal values (an offload move, a reload of
+      the same weights) keep serving, anything else is a change.
+    - about 16 elements spread over every tensor, compared exactly on every call: writes through `.data`
+      bump no version counter (`p.data.add_()`, peft's LoRA merge), and a dense edit like those changes them.
+
+    It misses a write through `.data` confined to a few rows or elements that the spread samples skip:
+    `weight_check="full"` compares every tensor in full on every call, at the cost of a pass over the weights.
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.places = self._places = _weight_places(module)
-        self._views, self._pointers = self._take()
+        tensors = self._tensors()
+        self._stamps = [_stamp(t) for t in tensors]
+        self._full = [_full_value(t) for t in tensors]
+        self._views = [_sample_view(t) for t in tensors]
         self._expected = self._read(self._views).clone()
 
-    def _take(self) -> tuple[list[torch.Tensor], list[int]]:
-        tensors = [table[key] for _, table, key in self._places]
-        return [view for t in tensors for view in _covering_views(t)], [t.data_ptr() for t in tensors]
+    def _tensors(self) -> list[torch.Tensor]:
+        return [table[key] for _, table, key in self._places]
 
     @staticmethod
     def _read(views: list[torch.Tensor]) -> torch.Tensor:
@@ -388,23 +403,48 @@ class _WeightSamples:
             except RuntimeError:  # tensors on several devices
                 return torch.cat([view.cpu() for view in flat])
 
+    def _changed_tensor(self) -> str | None:
+        """Compare in full the tensors whose version or pointer moved; take the new stamps when equal."""
+        tensors = self._tensors()
+        stamps = [_stamp(t) for t in tensors]
+        if stamps == self._stamps:
+            return None
+        for index, (tensor, stamp) in enumerate(zip(tensors, stamps, strict=True)):
+            if stamp != self._stamps[index]:
+                if not _same_value(_full_value(tensor), self._full[index]):
+                    return self._places[index][0]
+                if stamp[1] != self._stamps[index][1]:
+                    self._views[index] = _sample_view(tensor)  # the storage moved: sample the new one
+                self._stamps[index] = stamp
+        return None
+
     def holds(self) -> bool:
-        pointers = [table[key].data_ptr() for _, table, key in self._places]
-        if pointers != self._pointers:  # re-assigned (an offload copy, `p.data = t`): read the new storage
-            self._views, self._pointers = self._take()
-        return torch.equal(self._read(self._views), self._expected)
+        return self._changed_tensor() is None and torch.equal(self._read(self._views), self._expected)
 
     def explain(self) -> str | None:
-        if self.holds():
-            return None
-        offset = 0
-        current = self._read(self._views)
-        for name, table, key in self._places:
-            size = sum(v.numel() for v in _covering_views(table[key]))
-            if not torch.equal(current[offset : offset + size], self._expected[offset : offset + size]):
-                return f"weight {name} was modified (baked into the backend)"
-            offset += size
-        return "weights were modified (baked into the backend)"
+        name = self._changed_tensor()
+        if name is None:
+            current = self._read(self._views)
+            offset = 0
+            for (place, _, _), view in zip(self._places, self._views, strict=True):
+                size = view.numel()
+                if not torch.equal(current[offset : offset + size], self._expected[offset : offset + size]):
+                    name = place
+                    break
+                offset += size
+        return None if name is None else f"weight {name} was modified (baked into the backend)"
+
+
+def _full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """What a tensor is compared by in full: its L2 norm (floating point) or a copy (other dtypes)."""
+    with torch.no_grad():
+        if tensor.is_floating_point() or tensor.is_complex():
+            return torch.linalg.vector_norm(tensor.detach()).float().cpu()
+        return tensor.detach().cpu().clone()
+
+
+def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
 class _WeightValues:
