@@ -53,6 +53,7 @@ import onnxruntime
 import torch
 import transformers
 from diffusers import StableDiffusionPipeline
+from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as files
 
 import aitune_hf
 from aitune_hf import AITunePipeline, testing
@@ -60,16 +61,6 @@ from aitune_hf import AITunePipeline, testing
 RESULTS = Path(__file__).resolve().parent / "results"
 ATOL = 1e-3
 PERCENTILES = (50, 90, 99)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _load(folder: Path) -> Any:
@@ -469,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests per phase": args.threads * args.requests,
         "torch threads": f"{torch.get_num_threads()} intra-op per request thread, 1 inter-op",
         "ONNX Runtime threads": f"{torch.get_num_threads()} intra-op, 1 inter-op",
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "load average at start": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
         "python": platform.python_version(),

@@ -44,6 +44,7 @@ import torch
 
 from aitune_hf.core.guards import ModuleGuard
 from aitune_hf.core.timing import time_interleaved
+from machine import cpu_model
 
 RESULTS = pipelines.RESULTS
 GOALS = {"sd": 1.0, "minilm_b1_s32": 3.0}  # the issue's ceilings: guard cost as % of end to end
@@ -52,16 +53,6 @@ GOALS = {"sd": 1.0, "minilm_b1_s32": 3.0}  # the issue's ceilings: guard cost as
 def _places(guard: Any) -> list[tuple[str, dict[str, Any], str]]:
     """The (name, table, key) of the tensors a guard's weight check reads (none without a weight check)."""
     return guard._weights.places if guard._weights is not None else []
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _commit() -> str:
@@ -342,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "torch": torch.__version__,
         "onnxruntime": onnxruntime.__version__,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "commit": _commit(),

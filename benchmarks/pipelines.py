@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ if "--warm-cache" not in sys.argv:  # before torch is imported: Inductor reads i
 
 import numpy as np
 import torch
+from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as files
 
 from aitune_hf import AITuneModel, AITunePipeline, testing
 from aitune_hf.hf.loading import apply_mixin
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "Inductor cache": "warm" if args.warm_cache else "cold",
         "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
     }
     if args.cold_prepare:

@@ -19,17 +19,8 @@ pytest.importorskip("onnxscript")
 from aitune_hf.backends import InductorBackend, OnnxRuntimeBackend
 from aitune_hf.backends import onnxruntime as ort_backend
 from aitune_hf.backends.base import Backend
+from tests.backends.test_onnxruntime import MLP
 from tests.conftest import process_state, state_changes
-
-
-class MLP(nn.Module):
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x)))
 
 
 class DataDependent(MLP):
