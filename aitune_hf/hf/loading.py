@@ -3,13 +3,15 @@
 The subclass of a concrete class ``C`` has bases ``(C, AITuneMixin)`` and keeps ``C``'s ``__name__``,
 ``__qualname__`` and ``__module__``: ``isinstance(obj, C)`` holds, ``save_pretrained`` writes the real class
 name (a plain Diffusers / Transformers install reloads it), and class-keyed machinery keeps working. Its own
-``__call__`` gives the mixin the call boundaries; objects are re-classed in place, never copied.
+``__call__``, and ``generate`` / ``encode`` / ``decode`` where ``C`` has them, give the mixin the call boundaries
+(`BOUNDARY_METHODS`); objects are re-classed in place, never copied.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,9 @@ from aitune_hf.errors import UserInputError
 from aitune_hf.hf.mixin import AITuneMixin
 
 _SUBCLASSES: dict[type, type] = {}
+#: Methods that are whole calls besides __call__: a Transformers model's generate() (every forward inside it
+#: is one step of the same call), a VAE's encode() / decode() (how pipelines and users run a VAE).
+BOUNDARY_METHODS = ("generate", "encode", "decode")
 
 
 def with_aitune(cls: type) -> type:
@@ -40,6 +45,9 @@ def with_aitune(cls: type) -> type:
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
     }
+    for method in BOUNDARY_METHODS:
+        if callable(getattr(cls, method, None)):
+            namespace[method] = _boundary(cls, method, lambda: subclass)
     if isinstance(getattr(cls, "components", None), property):  # a Diffusers pipeline: watch its components
 
         def __setattr__(self: Any, name: str, value: Any) -> None:
@@ -51,6 +59,16 @@ def with_aitune(cls: type) -> type:
     subclass = type(cls.__name__, (cls, AITuneMixin), namespace)
     _SUBCLASSES[cls] = subclass
     return subclass
+
+
+def _boundary(cls: type, method: str, subclass: Callable[[], type]) -> Callable[..., Any]:
+    """`cls.method` as a whole call of the mixin (`subclass` gives the dynamic class once it exists)."""
+
+    @functools.wraps(getattr(cls, method))
+    def boundary(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._aitune_call(getattr(super(subclass(), self), method), args, kwargs)
+
+    return boundary
 
 
 def is_dynamic_class(cls: Any) -> bool:

@@ -1,6 +1,7 @@
 """`AITuneMixin`: enable_aitune / disable_aitune / aitune on pipelines and models, with call boundaries.
 
-The mixin knows where a whole pipeline (or model) call begins and ends, so it arms tuning after the first
+The mixin knows where a whole pipeline (or model) call begins and ends (`__call__`, and a model's `generate()`,
+a VAE's `encode()` / `decode()`; calls nested in one of them are part of it), so it arms tuning after the first
 full call by default (the second call then tunes inside the pipeline's own flow, with offload hooks live),
 and it times whole calls before and after tuning: the report leads with that measured end-to-end speed-up.
 """
@@ -47,6 +48,7 @@ class _AITuneState:
     auto: bool = False  # targets="auto": whole components first, blocks of those that stay eager
     rearm_at: int | None = None  # arm again after this many whole calls (the blocks of "auto" mode)
     lock: threading.Lock = field(default_factory=threading.Lock)  # whole calls may come from many threads
+    inside: threading.local = field(default_factory=threading.local)  # `.depth`: this thread is in a whole call
 
 
 class AITuneMixin:
@@ -173,9 +175,20 @@ class AITuneMixin:
 
     # -- call boundaries (the dynamic subclass routes __call__ here) --------------------------------------
     def _aitune_call(self, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One whole call (`__call__`, `generate`, `encode`, `decode`). A boundary reached inside another one on
+        the same thread (each forward of generate(), the decode() inside a VAE's forward) is part of it."""
         state: _AITuneState | None = self.__dict__.get("_aitune_state")
-        if state is None or state.registration.detached:
+        if state is None or state.registration.detached or getattr(state.inside, "depth", 0):
             return call(*args, **kwargs)
+        state.inside.depth = 1
+        try:
+            return self._aitune_whole_call(state, call, args, kwargs)
+        finally:
+            state.inside.depth = 0
+
+    def _aitune_whole_call(
+        self, state: _AITuneState, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         registration = state.registration
         if self._aitune_needs_eager(kwargs):
             with registration.bypass():

@@ -55,16 +55,43 @@ def _join(prefix: str, path: str) -> str:
 
 
 def block_paths(component: nn.Module) -> list[str]:
-    """Paths of the coarsest repeated units of one component, never two nested ones."""
+    """Paths of the coarsest repeated units of one component, never two nested ones.
+
+    The first rule that finds something wins: UNet-like stages, the VAE decoder's stages, the classes the
+    component declares (`_repeated_blocks`, else `_no_split_modules`), then the structural fallback.
+    """
+    for rule in (_unet_stages, _vae_decoder_stages, _declared_blocks, _repeated_module_lists):
+        paths = rule(component)
+        if paths:
+            return paths
+    return []
+
+
+def _unet_stages(component: nn.Module) -> list[str]:
+    """A UNet's stages: `down_blocks.i`, `mid_block`, `up_blocks.i`. A ControlNet (down and mid, no up) too."""
     down, up = getattr(component, "down_blocks", None), getattr(component, "up_blocks", None)
-    if isinstance(down, nn.ModuleList) and isinstance(up, nn.ModuleList):  # a UNet: its stages
-        mid = ["mid_block"] if isinstance(getattr(component, "mid_block", None), nn.Module) else []
-        return [f"down_blocks.{i}" for i in range(len(down))] + mid + [f"up_blocks.{i}" for i in range(len(up))]
+    if not isinstance(down, nn.ModuleList) or callable(getattr(component, "decode", None)):
+        return []
+    mid = getattr(component, "mid_block", None)
+    if not isinstance(up, nn.ModuleList) and not isinstance(mid, nn.Module):
+        return []  # down_blocks alone is an encoder's layout, not a UNet's
+    ups = [f"up_blocks.{i}" for i in range(len(up))] if isinstance(up, nn.ModuleList) else []
+    return [f"down_blocks.{i}" for i in range(len(down))] + (["mid_block"] if isinstance(mid, nn.Module) else []) + ups
+
+
+def _vae_decoder_stages(component: nn.Module) -> list[str]:
+    """A VAE runs through decode(), not forward: its decoder's stages."""
     decoder = getattr(component, "decoder", None)
-    if callable(getattr(component, "decode", None)) and isinstance(getattr(decoder, "up_blocks", None), nn.ModuleList):
-        # A VAE runs through decode(), not forward: its decoder's stages.
-        mid = ["decoder.mid_block"] if isinstance(getattr(decoder, "mid_block", None), nn.Module) else []
-        return mid + [f"decoder.up_blocks.{i}" for i in range(len(decoder.up_blocks))]
+    if not callable(getattr(component, "decode", None)) or not isinstance(
+        getattr(decoder, "up_blocks", None), nn.ModuleList
+    ):
+        return []
+    mid = ["decoder.mid_block"] if isinstance(getattr(decoder, "mid_block", None), nn.Module) else []
+    return mid + [f"decoder.up_blocks.{i}" for i in range(len(decoder.up_blocks))]
+
+
+def _declared_blocks(component: nn.Module) -> list[str]:
+    """Modules of the classes the component declares, each the child of an nn.ModuleList, outermost first."""
     classes = set(getattr(component, "_repeated_blocks", None) or []) or set(
         getattr(component, "_no_split_modules", None) or []
     )
@@ -82,6 +109,37 @@ def block_paths(component: nn.Module) -> list[str]:
             continue  # inside a block already chosen
         paths.append(name)
     return paths
+
+
+def _repeated_module_lists(component: nn.Module) -> list[str]:
+    """The structural fallback for components that declare no blocks (HunyuanDiT, custom models).
+
+    The outermost `nn.ModuleList`s whose children are two or more instances of one class, each with
+    parameters and submodules of its own: never a list of tiny leaves (ControlNet's 1x1 convolutions), never
+    the component itself. A list that does not qualify is searched inside.
+    """
+    paths: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            path = _join(prefix, child_name)
+            if isinstance(child, nn.ModuleList) and _repeats_one_block(child):
+                paths.extend(f"{path}.{i}" for i in range(len(child)))
+            else:
+                visit(path, child)
+
+    visit("", component)
+    return paths
+
+
+def _repeats_one_block(modules: nn.ModuleList) -> bool:
+    children = list(modules)
+    return (
+        len(children) >= 2
+        and len({type(child) for child in children}) == 1
+        and all(next(child.children(), None) is not None for child in children)  # not leaves
+        and all(next(child.parameters(), None) is not None for child in children)
+    )
 
 
 def component_paths(name: str, component: nn.Module) -> list[str]:
@@ -125,8 +183,9 @@ def find_targets(obj: Any, targets: TargetSelection = "blocks") -> list[FoundTar
         )
     if not found:
         raise UserInputError(
-            f"targets={targets!r} found nothing to tune in this {type(obj).__name__}; valid names look like "
-            f"{_examples(components)}"
+            f"targets={targets!r} found nothing to tune in this {type(obj).__name__}: no stages, no declared "
+            f"blocks (_repeated_blocks / _no_split_modules) and no nn.ModuleList of repeated blocks; name modules "
+            f"instead, e.g. targets=[{_examples(components)}], or use targets='components'"
         )
     return found
 
@@ -182,12 +241,20 @@ def _from_callable(components: dict[str, nn.Module], result: Any) -> list[FoundT
     return found
 
 
-def _examples(components: dict[str, nn.Module]) -> str:
+def _examples(components: dict[str, nn.Module], limit: int = 3) -> str:
+    """Real names from this object to show in an error: blocks when there are any, else its submodules."""
     for prefix, component in components.items():
         paths = block_paths(component)
         if paths:
-            return repr(_join(prefix, paths[0]))
-    return repr(next(iter(components), "component"))
+            return ", ".join(repr(_join(prefix, p)) for p in paths[:limit])
+    names = [
+        _join(prefix, path)
+        for prefix, component in components.items()
+        for path, _ in component.named_modules()
+        if path and path.count(".") < 2
+    ]
+    names = names or [prefix for prefix in components if prefix]
+    return ", ".join(repr(n) for n in names[:limit]) if names else "(this object has no submodules)"
 
 
 def as_modules(found: list[FoundTarget]) -> dict[str, torch.nn.Module]:

@@ -103,3 +103,73 @@ def test_nested_selection_is_refused_at_enable(pipes, pipeline_folders) -> None:
         pipe.enable_aitune(["unet", "unet.mid_block"])
     assert pipe.aitune is None
     assert "forward" not in pipe.unet.__dict__
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Components that declare no blocks: ControlNet's stages, the structural fallback, errors with real names
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_controlnet_stages_are_its_down_blocks_and_mid_block() -> None:
+    """A ControlNet has a UNet's down_blocks and mid_block but no up_blocks; its 1x1 output convolutions
+    (`controlnet_down_blocks`, a ModuleList of leaves) are never targets."""
+    from diffusers import ControlNetModel
+
+    controlnet = ControlNetModel(
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        cross_attention_dim=8,
+        norm_num_groups=4,
+        attention_head_dim=2,
+        conditioning_embedding_out_channels=(4, 8),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        in_channels=4,
+    )
+    assert _names(controlnet) == ["down_blocks.0", "down_blocks.1", "mid_block"]
+
+
+def test_hunyuan_dit_declares_nothing_and_gets_its_repeated_blocks() -> None:
+    from diffusers import HunyuanDiT2DModel
+
+    model = HunyuanDiT2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, sample_size=8, hidden_size=16, num_layers=3,
+        cross_attention_dim=16, cross_attention_dim_t5=16, pooled_projection_dim=8, text_len=4, text_len_t5=4,
+        patch_size=2,
+    )  # fmt: skip
+    assert not getattr(model, "_repeated_blocks", None) and not getattr(model, "_no_split_modules", None)
+    assert _names(model) == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.LayerNorm(4)
+
+
+class _Custom(torch.nn.Module):
+    """No declarations: a list of leaves (never targets), a mixed list searched inside, a list of blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])  # tiny leaves
+        self.stack = torch.nn.ModuleList(
+            [torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.ModuleList([_Block(), _Block()]))]
+        )
+        self.trunk = torch.nn.Sequential(torch.nn.ModuleList([_Block(), _Block(), _Block()]))
+        self.single = torch.nn.ModuleList([_Block()])  # one instance is not a repetition
+
+
+def test_structural_fallback_takes_outermost_lists_of_repeated_blocks_only() -> None:
+    assert _names(_Custom()) == ["stack.1.0.0", "stack.1.0.1", "trunk.0.0", "trunk.0.1", "trunk.0.2"]
+
+
+def test_nothing_found_names_real_modules_of_the_object() -> None:
+    class Plain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+            self.head = torch.nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match=r"found nothing to tune in this Plain.*targets=\['encoder', 'encoder.0'"):
+        find_targets(Plain(), "blocks")

@@ -7,9 +7,8 @@ rules of ARCHITECTURE.md "Rules that keep users safe": inputs the user owns are 
 tuning is contained (the user's call returns eager's output whatever happens inside tuning).
 
 Every generate() call is compared with an eager reference made in the same state
-(`with model.aitune.bypass()`): tokens equal, each step's logits close. Tuning is armed after the first whole
-model call (the prefill forward of the first generate()), so it runs inside the first generate() for the
-decoder blocks and inside the second one for encoder blocks (the encoder runs outside the model's __call__).
+(`with model.aitune.bypass()`): tokens equal, each step's logits close. generate() is one whole call: tuning is
+armed after the first generate() and runs at the start of the second, before its first step.
 """
 
 from __future__ import annotations
