@@ -174,3 +174,20 @@ def test_auto_tunes_components_then_descends_into_those_that_stay_eager(pipeline
     assert "descended into unet" in str(registration.report())
     pipe.disable_aitune()
     assert unpatched(pipe.unet.modules()) and unpatched(pipe.vae.modules())
+
+
+def test_auto_serves_the_whole_unet_from_one_onnxruntime_session(pipeline_folders) -> None:
+    """The UNet's forward takes a 0-d timestep tensor; ONNX Runtime's runner keeps it 0-d (it once became (1,),
+    and the session failed at run time with a broadcast error), so auto mode keeps the UNet whole."""
+    pipe = _load(pipeline_folders["sd"])
+    expected = run(pipe, "sd")
+    registration = pipe.enable_aitune("auto", **ORT)
+    outputs = [run(pipe, "sd") for _ in range(3)]
+    assert registration.all_tuned and not registration.descended, registration.report()
+    unet = registration.targets["unet"]
+    assert unet.report().backend == "onnxruntime" and unet.calls_served.get("onnxruntime", 0) >= 1
+    assert any("[scalar]" in s.signature for s in unet.report().signatures)  # the 0-d timestep
+    for out in outputs:
+        np.testing.assert_allclose(out, expected, atol=2e-3)
+    pipe.disable_aitune()
+    assert unpatched(pipe.unet.modules())
