@@ -429,7 +429,8 @@ def format_report(data: dict[str, Any]) -> str:
 
 
 def details(data: dict[str, Any]) -> str:
-    """Per target and input signature: every candidate with its speed-up, error and build time."""
+    """Per target and input signature: every candidate with its speed-up, error and build time; under an error
+    (or a reason) caused by an exception, its full text with every chained cause."""
     lines = ["candidates per target and input signature:"]
     for name, module in (data.get("modules") or {}).items():
         for sig in module.get("signatures") or []:
@@ -437,9 +438,11 @@ def details(data: dict[str, Any]) -> str:
             lines.append(f"{name} [{sig.get('signature')}] -> {sig.get('chosen')}{shared}")
             if sig.get("reason"):
                 lines.append(f"    reason: {sig['reason']}")
+                lines.extend(_indented(sig.get("details")))
             for cand in sig.get("candidates") or []:
                 if cand.get("error"):
                     lines.append(f"    {cand.get('backend')}: {cand['error']}")
+                    lines.extend(_indented(cand.get("details")))
                     continue
                 speedup = cand.get("speedup")
                 build = cand.get("build_seconds")
@@ -451,6 +454,13 @@ def details(data: dict[str, Any]) -> str:
                     f"build {'-' if build is None else f'{build:.1f} s'}"
                 )
     return "\n".join(lines)
+
+
+def _indented(text: Any) -> list[str]:
+    """The full error text behind a reason (every chained cause), indented under it; nothing when absent."""
+    if not text:
+        return []
+    return ["        " + line if line.strip() else "" for line in str(text).splitlines()]
 
 
 def _fact(value: Any) -> str:
@@ -551,7 +561,7 @@ def _add_tuning_options(parser: argparse.ArgumentParser, rounds: int) -> None:
         help=f"interleaved eager/tuned whole-call rounds for the end-to-end measurement (default {rounds})",
     )
     parser.add_argument("--threads", type=_positive, default=1, help="torch.set_num_threads(N) (default 1)")
-    parser.add_argument("--details", action="store_true", help="also print every candidate per target")
+    parser.add_argument("--details", action="store_true", help="also print every candidate, with full error texts")
     parser.add_argument("--no-progress", action="store_true", help="hide the tuning progress bar")
 
 
@@ -592,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="print a saved report JSON as a table")
     report.add_argument("path", help="a JSON file written by `aitune-hf demo --json` / `tune --report` / to_json()")
-    report.add_argument("--details", action="store_true", help="also print every candidate per target")
+    report.add_argument("--details", action="store_true", help="also print every candidate, with full error texts")
     report.set_defaults(func=cmd_report)
     return parser
 

@@ -18,8 +18,9 @@ class CandidateResult:
     build_seconds: float | None = None
     latency_s: float | None = None
     max_abs_error: float | None = None
-    error: str | None = None
+    error: str | None = None  # why it failed, summarised as its cause (aitune_hf.core.reasons.summarize)
     speedup: float | None = None  # eager latency / this latency
+    details: str | None = None  # the full text behind `error` when an exception caused it (every chained cause)
 
     @property
     def ok(self) -> bool:
@@ -37,6 +38,7 @@ class SignatureReport:
     candidates: list[CandidateResult] = field(default_factory=list)
     reason: str | None = None  # why eager was kept, when it was
     shared_from: str | None = None  # the identical sibling whose decision was reused
+    details: str | None = None  # the full text behind `reason` when an exception caused it (every chained cause)
 
     @property
     def chosen_latency_s(self) -> float | None:

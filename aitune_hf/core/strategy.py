@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from aitune_hf.backends.base import Backend, BuiltBackend, Call, get_backend
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.guards import ModuleGuard
+from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import CandidateResult, SignatureReport
 from aitune_hf.core.signature import InputSignature, Sample, state_tensors
 from aitune_hf.core.timing import Stopwatch, time_interleaved
@@ -148,7 +149,7 @@ class TuningJob:
             return result, built
         except Exception as error:  # a failing backend is a finding, not a crash
             logger.debug("%s failed on %s", backend.describe(), self.signature, exc_info=True)
-            result.error = f"{type(error).__name__}: {first_line(error)}"
+            result.error, result.details = summarize(error), details(error)
             return result, None
 
     def time(self, candidates: Sequence[tuple[CandidateResult, BuiltBackend]]) -> list[CandidateResult]:
@@ -168,7 +169,7 @@ class TuningJob:
         for result, _ in candidates:
             if result.backend in failures:
                 error = failures[result.backend]
-                result.error = f"failed while timed: {type(error).__name__}: {first_line(error)}"
+                result.error, result.details = f"failed while timed: {summarize(error)}", details(error)
                 continue
             result.latency_s = latencies[result.backend]
             result.speedup = latencies["eager"] / result.latency_s if result.latency_s else None
@@ -204,11 +205,6 @@ def _all_finite(value: Any) -> bool:
         if floating and not bool(torch.isfinite(leaf).all()):
             return False
     return True
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:300] if text else ""
 
 
 class Strategy(abc.ABC):

@@ -35,10 +35,11 @@ import torch
 from aitune_hf.backends.base import Backend, BuiltBackend
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.guards import ModuleGuard
+from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import ModuleReport, SignatureReport
 from aitune_hf.core.signature import InputSignature, Sample, signature_of
 from aitune_hf.core.slots import ForwardSlot, all_slots, locate_slot
-from aitune_hf.core.strategy import Decision, NoEvidence, TuningJob, first_line
+from aitune_hf.core.strategy import Decision, NoEvidence, TuningJob
 from aitune_hf.core.timing import Stopwatch
 from aitune_hf.errors import UsageError
 
@@ -308,7 +309,8 @@ class Target:
             logger.warning("%s: %s raised while serving; falling back to eager", self.name, chosen, exc_info=True)
             with self._lock:
                 if route.built is not None:
-                    route.report.reason = f"{chosen} raised while serving: {type(error).__name__}: {first_line(error)}"
+                    route.report.reason = f"{chosen} raised while serving: {summarize(error)}"
+                    route.report.details = details(error)
                     route.report.chosen = "eager"
                     route.backend, route.built = None, None  # this state is served eager from now on
                     if self._state is not TargetState.ARMED:  # an armed target settles after its next tuning
@@ -414,17 +416,18 @@ class Target:
             logger.info("%s [%s]: %s", self.name, signature.short(), error)
             return
         except Exception as error:
-            reason = f"the eager forward raised when replayed for tuning: {type(error).__name__}: {first_line(error)}"
+            reason = f"the eager forward raised when replayed for tuning: {summarize(error)}"
             logger.warning("%s: %s", self.name, reason, exc_info=True)
-            report = SignatureReport(signature.short(), len(samples), reason=reason)
+            report = SignatureReport(signature.short(), len(samples), reason=reason, details=details(error))
             self._add_route(signature, _Route(None, None, report, ModuleGuard(self.module)))
             return
         try:
             decision = self._shared_or_new(job, signature)
         except Exception as error:
-            reason = f"tuning failed: {type(error).__name__}: {first_line(error)}"
+            reason = f"tuning failed: {summarize(error)}"
             logger.warning("%s: %s", self.name, reason, exc_info=True)
             decision = job.keep_eager(reason)
+            decision.report.details = details(error)
         logger.info("%s [%s]: %s", self.name, signature.short(), decision.report.chosen)
         # An eager decision holds for this module state too: a new state (FreeU off again) is tuned afresh.
         guard = decision.guard if decision.built is not None else ModuleGuard(self.module)
