@@ -169,7 +169,23 @@ def state_tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def _clone_leaf(leaf: Any) -> Any:
-    return leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
+    """A copy of a tensor with its exact layout (strides, stride-0 broadcast dims), so that a backend built and
+    timed on recorded calls sees the layout the real calls have (Inductor specialises on strides)."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    leaf = leaf.detach()
+    if leaf.numel() == 0 or leaf.is_contiguous() or leaf.is_contiguous(memory_format=torch.channels_last):
+        return leaf.clone(memory_format=torch.preserve_format)
+    # Strided or broadcast: new storage just large enough for the same strides; copy only the stored elements
+    # (a stride-0 dimension is stored once, so it is written through one index of it).
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(leaf.shape, leaf.stride(), strict=True))
+    copy_ = torch.empty(extent, dtype=leaf.dtype, device=leaf.device).as_strided(leaf.shape, leaf.stride())
+    source, target = leaf, copy_
+    for dim, stride in enumerate(leaf.stride()):
+        if stride == 0:
+            source, target = source.narrow(dim, 0, 1), target.narrow(dim, 0, 1)
+    target.copy_(source)
+    return copy_
 
 
 @dataclass

@@ -87,6 +87,7 @@ def test_marshalling(backend_name: str, kind: str) -> None:
     config = TuningConfig(strategy=OneBackend(backend), progress=False, warmup=1, repeats=1)
     recorded = KINDS[kind]()
     _check_kind(kind, *recorded)
+    graphs_before = _compiled_graphs()
     with register({"block": block}, config) as reg, torch.no_grad():
         target = reg.targets["block"]
         block(*recorded)
@@ -99,5 +100,15 @@ def test_marshalling(backend_name: str, kind: str) -> None:
         report = reg.report().modules["block"]
         assert target.state is TargetState.TUNED, report.reason
         assert target.calls_served.get(backend.describe()) == 2, target.calls_served
+        if backend_name == "inductor":  # recorded calls keep their layout: built for it, no recompile when served
+            graphs = _compiled_graphs() - graphs_before
+            assert graphs == 1, f"{graphs} graphs compiled for one layout"
     torch.testing.assert_close(got, expected, **TOL)  # values, shapes (0-d stays 0-d) and dtypes
     assert got[1].shape == t.shape
+
+
+def _compiled_graphs() -> int:
+    """Graphs Dynamo holds for `Block.forward` (its cache entries: one per specialisation, shared by tests)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(Block.forward.__code__))
