@@ -1,13 +1,21 @@
 """torch.compile with the Inductor backend, one compiled callable per signature.
 
-The callable compiles the module's *class* forward, so identical sibling modules hit the same compiled
-code (Dynamo caches per code object and, with `inline_inbuilt_nn_modules`, passes parameters as inputs):
-a stack of identical blocks compiles one graph. `freezing=True` folds the weights into the graph as
-constants, which is faster on CPU but bakes the weights.
+Dynamo caches compiled graphs per code object, with a recompile limit (8) per code object after which it runs
+the frame eager without a word. Transformers 5 gives every decoder layer class one shared forward code object,
+so the compiles of every layer of every model would share one limit. Each build therefore compiles a private
+copy of the forward's code, one per (function, input layout): identical sibling blocks called alike still
+share one graph (parameters are graph inputs), and no build spends another's limit. A build that Dynamo ran
+eager anyway (a frame it gave up on) fails with that reason instead of passing as "inductor".
+
+Shapes: `dynamic=False` where the inputs pin every shape. Inputs that hold objects (a KV cache) carry shapes
+the signature cannot see (the cache grows every decode step): those builds use automatic dynamic shapes, so
+a growing cache costs one more graph, not one per step. `freezing=True` folds the weights into the graph as
+constants, which is faster on CPU but bakes the weights (a private code object per module instance).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +49,8 @@ class InductorBackend(Backend):
         self.options = dict(options or {})
         if freezing:
             self.options["freezing"] = True
+        self._private: dict[tuple[Any, ...], Callable[..., Any]] = {}  # (function, instance, layout) -> copy
+        self._lock = threading.Lock()
 
     @property
     def bakes_weights(self) -> bool:  # type: ignore[override]
@@ -56,21 +66,73 @@ class InductorBackend(Backend):
         return f"{self.name}({', '.join(extras)})" if extras else self.name
 
     def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
-        if self.freezing:
-            # Frozen graphs hold one module's weights as constants: give every instance its own code
-            # object so Dynamo never serves one instance's constants to a sibling.
-            forward = _private_copy(forward)
+        objects = any(_holds_objects(call) for call in samples)
+        # Frozen graphs hold one module's weights as constants: a private code object per instance, so Dynamo
+        # never serves one instance's constants to a sibling.
+        key = (_function_of(forward), id(module) if self.freezing else None, _layout(samples[0]) if samples else ())
+        with self._lock:
+            if key not in self._private:
+                self._private[key] = _private_copy(forward)
+            private = self._private[key]
         compiled = torch.compile(
-            forward,
+            _rebind(private, forward),
             backend="inductor",
-            dynamic=False,
+            dynamic=None if objects else False,
             fullgraph=self.fullgraph,
             mode=self.mode,
             options=self.options or None,
         )
+        before = _frames()
         for args, kwargs in samples:  # compile now, so that build time is compile time
             compiled(*args, **kwargs)
+        total, ok = (now - then for now, then in zip(_frames(), before, strict=True))
+        if total > ok:
+            raise RuntimeError(
+                f"Dynamo ran {total - ok} of {total} frame(s) of this forward eager (its recompile limit of "
+                f"{torch._dynamo.config.recompile_limit} reached, or code it cannot compile); "
+                f"TORCH_LOGS=recompiles,graph_breaks shows which"
+            )
         return BuiltBackend(fn=compiled, bakes_weights=self.freezing)
+
+
+def _frames() -> tuple[int, int]:
+    """Dynamo's process-wide counts of frames it tried to compile and of those it compiled."""
+    frames = torch._dynamo.utils.counters["frames"]
+    return frames["total"], frames["ok"]
+
+
+def _holds_objects(call: Call) -> bool:
+    """True when an input is neither a tensor nor a plain value (an object such as a KV cache)."""
+    from torch.utils import _pytree as pytree
+
+    plain = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
+    return not all(isinstance(leaf, plain) for leaf in pytree.tree_leaves(call))
+
+
+def _layout(call: Call) -> tuple[Any, ...]:
+    """The input layout one compiled graph serves: tensor shapes, dtypes and strides; other leaves' types."""
+    from torch.utils import _pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(call)
+    described = [
+        (tuple(leaf.shape), leaf.dtype, leaf.stride(), leaf.device.type)
+        if isinstance(leaf, torch.Tensor)
+        else type(leaf).__qualname__
+        for leaf in leaves
+    ]
+    return (str(spec), *described)
+
+
+def _function_of(forward: Callable[..., Any]) -> Any:
+    return getattr(forward, "__func__", forward)
+
+
+def _rebind(private: Callable[..., Any], forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`private` (a copy of `forward`'s function) bound to `forward`'s own module."""
+    import types
+
+    func, owner = getattr(private, "__func__", None), getattr(forward, "__self__", None)
+    return types.MethodType(func, owner) if func is not None and owner is not None else private
 
 
 def _private_copy(forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -123,29 +123,33 @@ def test_build_lm_folders_load_with_the_real_classes(lm_folders) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fresh_dynamo() -> None:
-    """Dynamo's cache as in a fresh process.
-
-    In Transformers 5 every decoder layer class's forward is a `forward_with_checkpointing` closure made in
-    `GradientCheckpointingLayer.__init_subclass__`: all layer classes of all models share one code object,
-    so one Dynamo cache and one recompile limit (8). Once earlier compiles used it up, Dynamo runs these
-    forwards eager without a word, and a test would no longer exercise compiled code with cache objects.
-    """
-    torch._dynamo.reset()
+def dynamo_frames() -> tuple[int, int]:
+    frames = torch._dynamo.utils.counters["frames"]
+    return frames["total"], frames["ok"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_generate_matches_eager_in_every_call_inductor(lm_folders, kind: str, request: pytest.FixtureRequest) -> None:
-    if kind == "llama":
-        request.getfixturevalue("fresh_dynamo")  # one kind runs compiled code for sure (see fresh_dynamo)
+def test_generate_matches_eager_in_every_call_inductor(lm_folders, kind: str) -> None:
+    """Inductor accepts cache objects: prefill and decode blocks tune and serve, each step equal to eager.
+
+    Transformers 5 gives every decoder layer class one forward code object (`GradientCheckpointingLayer`), and
+    the DynamicCache grows every step: shared, that code object reached Dynamo's recompile limit (8) within one
+    generate() and Dynamo ran the rest eager without a word. Each build now compiles a private copy of the code
+    with automatic dynamic shapes for object inputs: every frame Dynamo sees is compiled.
+    """
     model = load(lm_folders, kind)
     registration = model.enable_aitune("blocks", backends=["inductor"], **QUICK)
+    total, ok = dynamo_frames()
     try:
         generate_and_compare(model, kind)
         assert decided(registration), f"tuning did not run:\n{registration.report()}"
-        # Inductor accepts cache objects: the decoder blocks tune like the others.
         assert registration.state_counts.get("tuned", 0) >= 1, registration.report()
+        for name, target in registration.targets.items():
+            if decoder_side(name):  # the decode steps (a cache object in every call) are served by Inductor
+                assert target.state is TargetState.TUNED, (name, target.reason)
+                assert target.calls_served.get("inductor", 0) >= GENERATE["max_new_tokens"], target.calls_served
+        now_total, now_ok = dynamo_frames()
+        assert now_total - total == now_ok - ok, "Dynamo ran frames eager (recompile limit or unsupported code)"
     finally:
         model.disable_aitune()
 
