@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import string
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,15 +28,22 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_CALL_KWARGS",
     "FAMILIES",
+    "FAMILY_GENERATE",
     "LM_AUTO_CLASSES",
     "LM_KINDS",
+    "MODEL_FAMILIES",
     "SIZES",
+    "ModelFamily",
+    "build_family",
     "build_flux_pipeline",
     "build_lm",
     "build_pipeline",
     "build_pixart_pipeline",
     "build_sd_pipeline",
+    "call_family",
     "default_call_kwargs",
+    "family_inputs",
+    "load_family",
     "minilm_path",
 ]
 
@@ -702,3 +710,424 @@ def build_lm(kind: str, folder: str | Path, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path))
     return path
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model families: one tiny model per architecture, for the integration tests and benchmarks/families.py
+# --------------------------------------------------------------------------------------------------------------
+#
+# Each family is a single model (no pipeline): built from a tiny config with random weights under a fixed seed,
+# written with ``save_pretrained(folder)`` (`build_family`), loaded back with the concrete class's real
+# ``from_pretrained`` (`load_family`), and run by one whole call (`call_family`): ``model(**inputs)``,
+# ``model.decode(**inputs)`` for the VAE alone, or ``model.generate(**inputs, **FAMILY_GENERATE)`` for the
+# generative Transformers models (those reuse `build_lm`). Inputs are seeded (`family_inputs`).
+
+#: generate() arguments of the generative families: a fixed number of greedy steps, logits of each step kept.
+FAMILY_GENERATE: dict[str, Any] = {
+    "max_new_tokens": 4,
+    "min_new_tokens": 4,  # no early stop at eos: every call has the same number of steps
+    "do_sample": False,
+    "output_logits": True,
+    "return_dict_in_generate": True,
+}
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """How to build, load, feed and call one tiny model of a family.
+
+    ``library`` is ``"diffusers"`` or ``"transformers"``; ``model_class`` the class (a name in that library)
+    whose ``from_pretrained`` loads the folder; ``call`` is ``"forward"``, ``"decode"`` or ``"generate"``;
+    ``outputs`` names the fields of a forward's output that `call_family` returns; ``blocks`` describes, in
+    words, which modules are the family's repeated blocks.
+    """
+
+    name: str
+    library: str
+    model_class: str
+    call: str
+    blocks: str
+    outputs: tuple[str, ...] = ("sample",)
+
+
+MODEL_FAMILIES: dict[str, ModelFamily] = {
+    f.name: f
+    for f in (
+        ModelFamily(
+            "unet", "diffusers", "UNet2DConditionModel", "forward", "UNet stages: down_blocks.i, mid_block, up_blocks.i"
+        ),
+        ModelFamily(
+            "controlnet",
+            "diffusers",
+            "ControlNetModel",
+            "forward",
+            "ControlNet stages: down_blocks.i, mid_block",
+            outputs=("down_block_res_samples", "mid_block_res_sample"),
+        ),
+        ModelFamily(
+            "flux",
+            "diffusers",
+            "FluxTransformer2DModel",
+            "forward",
+            "_repeated_blocks: transformer_blocks.i, single_transformer_blocks.i",
+        ),
+        ModelFamily("sd3", "diffusers", "SD3Transformer2DModel", "forward", "_no_split_modules: transformer_blocks.i"),
+        ModelFamily(
+            "pixart", "diffusers", "PixArtTransformer2DModel", "forward", "_no_split_modules: transformer_blocks.i"
+        ),
+        ModelFamily("hunyuandit", "diffusers", "HunyuanDiT2DModel", "forward", "structural fallback: blocks.i"),
+        ModelFamily(
+            "cogvideox",
+            "diffusers",
+            "CogVideoXTransformer3DModel",
+            "forward",
+            "_no_split_modules: transformer_blocks.i",
+        ),
+        ModelFamily("wan", "diffusers", "WanTransformer3DModel", "forward", "_repeated_blocks: blocks.i"),
+        ModelFamily(
+            "vae", "diffusers", "AutoencoderKL", "decode", "VAE decoder stages: decoder.mid_block, decoder.up_blocks.i"
+        ),
+        ModelFamily(
+            "bert",
+            "transformers",
+            "BertModel",
+            "forward",
+            "_no_split_modules: encoder.layer.i",
+            outputs=("last_hidden_state", "pooler_output"),
+        ),
+        ModelFamily(
+            "vit",
+            "transformers",
+            "ViTModel",
+            "forward",
+            "_no_split_modules: layers.i",
+            outputs=("last_hidden_state", "pooler_output"),
+        ),
+        ModelFamily(
+            "clip_text",
+            "transformers",
+            "CLIPTextModel",
+            "forward",
+            "_no_split_modules: encoder.layers.i",
+            outputs=("last_hidden_state", "pooler_output"),
+        ),
+        ModelFamily("llama", "transformers", "LlamaForCausalLM", "generate", "_no_split_modules: model.layers.i"),
+        ModelFamily("qwen3", "transformers", "Qwen3ForCausalLM", "generate", "_no_split_modules: model.layers.i"),
+        ModelFamily("gpt2", "transformers", "GPT2LMHeadModel", "generate", "_no_split_modules: transformer.h.i"),
+        ModelFamily(
+            "t5",
+            "transformers",
+            "T5ForConditionalGeneration",
+            "generate",
+            "_no_split_modules: encoder.block.i, decoder.block.i",
+        ),
+        ModelFamily(
+            "whisper",
+            "transformers",
+            "WhisperForConditionalGeneration",
+            "generate",
+            "_no_split_modules: model.encoder.layers.i, model.decoder.layers.i",
+        ),
+    )
+}
+
+_BATCH = 2  # every family's inputs have batch 2: a batch dimension that is not 1 is exported / compiled as such
+_TEXT = 8  # text tokens of the conditioning sequences
+_COND = 16  # width of the text conditioning fed to the diffusion transformers
+
+
+def _check_model_family(name: str) -> ModelFamily:
+    if name not in MODEL_FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; valid: {', '.join(MODEL_FAMILIES)}")
+    return MODEL_FAMILIES[name]
+
+
+def _family_model(name: str) -> Any:
+    """A random model of family ``name`` (not a generative one: those come from `build_lm`)."""
+    import diffusers
+    import transformers
+
+    if name == "unet":
+        return diffusers.UNet2DConditionModel(
+            sample_size=8,
+            in_channels=4,
+            out_channels=4,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            block_out_channels=(8, 16),
+            layers_per_block=1,
+            norm_num_groups=4,
+            cross_attention_dim=_COND,
+            attention_head_dim=2,
+        )
+    if name == "controlnet":
+        return diffusers.ControlNetModel(
+            in_channels=4,
+            conditioning_channels=3,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            block_out_channels=(8, 16),
+            layers_per_block=1,
+            norm_num_groups=4,
+            cross_attention_dim=_COND,
+            attention_head_dim=2,
+            conditioning_embedding_out_channels=(4, 8),  # the condition image is 2x the latent size
+        )
+    if name == "flux":
+        return diffusers.FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16,  # packed 2x2 patches of 4 latent channels
+            num_layers=2,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=_COND,
+            pooled_projection_dim=_COND,
+            axes_dims_rope=(4, 6, 6),
+        )
+    if name == "sd3":
+        return diffusers.SD3Transformer2DModel(
+            sample_size=8,
+            patch_size=2,
+            in_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=_COND,
+            caption_projection_dim=16,
+            pooled_projection_dim=_COND,
+            out_channels=4,
+            pos_embed_max_size=8,
+        )
+    if name == "pixart":
+        return diffusers.PixArtTransformer2DModel(
+            num_attention_heads=2,
+            attention_head_dim=8,
+            in_channels=4,
+            out_channels=8,
+            num_layers=2,
+            cross_attention_dim=16,
+            sample_size=8,
+            patch_size=2,
+            caption_channels=_COND,
+        )
+    if name == "hunyuandit":
+        return diffusers.HunyuanDiT2DModel(
+            num_attention_heads=2,
+            attention_head_dim=8,
+            in_channels=4,
+            patch_size=2,
+            sample_size=8,
+            hidden_size=16,
+            num_layers=2,
+            cross_attention_dim=_COND,
+            cross_attention_dim_t5=_COND,
+            pooled_projection_dim=16,
+            text_len=_TEXT,
+            text_len_t5=_TEXT,
+            use_style_cond_and_image_meta_size=False,
+        )
+    if name == "cogvideox":
+        return diffusers.CogVideoXTransformer3DModel(
+            num_attention_heads=2,
+            attention_head_dim=8,
+            in_channels=4,
+            out_channels=4,
+            time_embed_dim=16,
+            text_embed_dim=_COND,
+            num_layers=2,
+            sample_width=8,
+            sample_height=8,
+            sample_frames=5,  # 2 latent frames
+            patch_size=2,
+            max_text_seq_length=_TEXT,
+        )
+    if name == "wan":
+        return diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=4,
+            out_channels=4,
+            text_dim=_COND,
+            freq_dim=16,
+            ffn_dim=32,
+            num_layers=2,
+            rope_max_seq_len=32,
+        )
+    if name == "vae":
+        return _vae((8, 16), 4, 4, 0, sample_size=16)
+    if name == "bert":
+        config = transformers.BertConfig(
+            vocab_size=_LM_VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            pad_token_id=_LM_PAD,
+        )
+        return transformers.BertModel(config)
+    if name == "vit":
+        config = transformers.ViTConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=16,
+            patch_size=4,
+            num_channels=3,
+        )
+        return transformers.ViTModel(config)
+    if name == "clip_text":
+        config = transformers.CLIPTextConfig(
+            vocab_size=_LM_VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=32,
+            projection_dim=32,
+            pad_token_id=_LM_PAD,
+            bos_token_id=_LM_BOS,
+            eos_token_id=_LM_EOS,
+        )
+        return transformers.CLIPTextModel(config)
+    raise AssertionError(name)
+
+
+def build_family(name: str, folder: str | Path, seed: int = 0) -> Path:
+    """Build the tiny random model of family ``name`` (a key of `MODEL_FAMILIES`) into ``folder``; returns it.
+
+    Load it back with `load_family` (the concrete class's real ``from_pretrained``).
+    """
+    family = _check_model_family(name)
+    if family.call == "generate":
+        return build_lm(name, folder, seed=seed)
+    import torch
+
+    torch.manual_seed(seed)
+    model = _family_model(name).eval()
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    return path
+
+
+def load_family(name: str, folder: str | Path) -> Any:
+    """The model in ``folder`` (written by `build_family`), loaded with its class's ``from_pretrained``, in eval
+    mode."""
+    import importlib
+
+    family = _check_model_family(name)
+    model_class = getattr(importlib.import_module(family.library), family.model_class)
+    return model_class.from_pretrained(str(folder)).eval()
+
+
+def family_inputs(name: str, seed: int = 1) -> dict[str, Any]:
+    """Fresh seeded keyword arguments for one whole call of family ``name`` (batch 2, small sizes)."""
+    _check_model_family(name)
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    def ids(length: int) -> torch.Tensor:
+        return torch.randint(3, _LM_VOCAB, (_BATCH, length), generator=g)
+
+    b = _BATCH
+    timestep = torch.tensor([500.0, 20.0])
+    if name == "unet":
+        return {"sample": randn(b, 4, 8, 8), "timestep": timestep, "encoder_hidden_states": randn(b, _TEXT, _COND)}
+    if name == "controlnet":
+        return {
+            "sample": randn(b, 4, 8, 8),
+            "timestep": timestep,
+            "encoder_hidden_states": randn(b, _TEXT, _COND),
+            "controlnet_cond": randn(b, 3, 16, 16),
+        }
+    if name == "flux":
+        side = 4  # 4x4 packed tokens
+        img_ids = torch.zeros(side, side, 3)
+        img_ids[..., 1] = torch.arange(side)[:, None]
+        img_ids[..., 2] = torch.arange(side)[None, :]
+        return {
+            "hidden_states": randn(b, side * side, 16),
+            "encoder_hidden_states": randn(b, _TEXT, _COND),
+            "pooled_projections": randn(b, _COND),
+            "timestep": torch.tensor([0.5, 0.02]),
+            "img_ids": img_ids.reshape(-1, 3),
+            "txt_ids": torch.zeros(_TEXT, 3),
+        }
+    if name == "sd3":
+        return {
+            "hidden_states": randn(b, 4, 8, 8),
+            "encoder_hidden_states": randn(b, _TEXT, _COND),
+            "pooled_projections": randn(b, _COND),
+            "timestep": timestep,
+        }
+    if name == "pixart":
+        return {
+            "hidden_states": randn(b, 4, 8, 8),
+            "encoder_hidden_states": randn(b, _TEXT, _COND),
+            "timestep": timestep,
+            "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+        }
+    if name == "hunyuandit":
+        from diffusers.models.embeddings import get_2d_rotary_pos_embed
+
+        mask = torch.ones(b, _TEXT, dtype=torch.long)
+        mask[1, _TEXT // 2 :] = 0  # a padded prompt
+        return {
+            "hidden_states": randn(b, 4, 8, 8),
+            "timestep": timestep,
+            "encoder_hidden_states": randn(b, _TEXT, _COND),
+            "text_embedding_mask": mask,
+            "encoder_hidden_states_t5": randn(b, _TEXT, _COND),
+            "text_embedding_mask_t5": mask.clone(),
+            # as HunyuanDiTPipeline makes it: head_dim 8, a 4x4 grid of patches
+            "image_rotary_emb": get_2d_rotary_pos_embed(8, ((0, 0), (4, 4)), (4, 4)),
+        }
+    if name == "cogvideox":
+        return {
+            "hidden_states": randn(b, 2, 4, 8, 8),  # (batch, latent frames, channels, height, width)
+            "encoder_hidden_states": randn(b, _TEXT, _COND),
+            "timestep": torch.tensor([500, 20]),
+        }
+    if name == "wan":
+        return {
+            "hidden_states": randn(b, 4, 2, 8, 8),  # (batch, channels, latent frames, height, width)
+            "timestep": timestep,
+            "encoder_hidden_states": randn(b, _TEXT, _COND),
+        }
+    if name == "vae":
+        return {"z": randn(b, 4, 8, 8)}
+    if name == "bert":
+        mask = torch.ones(b, _TEXT, dtype=torch.long)
+        mask[1, -3:] = 0
+        return {"input_ids": ids(_TEXT), "attention_mask": mask}
+    if name == "vit":
+        return {"pixel_values": randn(b, 3, 16, 16)}
+    if name == "clip_text":
+        return {"input_ids": ids(_TEXT)}
+    if name == "whisper":
+        return {"input_features": randn(b, 8, 32)}  # (batch, mel bins, frames)
+    return {"input_ids": ids(5)}  # the decoder-only LMs and T5
+
+
+def call_family(name: str, model: Any, inputs: dict[str, Any]) -> Any:
+    """One whole call of family ``name`` under ``torch.inference_mode()``: its output as plain tensors.
+
+    forward: a tuple of the family's ``outputs`` fields (nested tuples as the model returns them);
+    decode: ``(sample,)``; generate: ``(sequences, logits)`` with ``logits`` a tuple of one tensor per step.
+    """
+    family = _check_model_family(name)
+    import torch
+
+    with torch.inference_mode():
+        if family.call == "generate":
+            out = model.generate(**inputs, **FAMILY_GENERATE)
+            return out.sequences, tuple(out.logits)
+        out = model.decode(**inputs) if family.call == "decode" else model(**inputs)
+        return tuple(out[field] for field in family.outputs)
