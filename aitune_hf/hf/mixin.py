@@ -149,29 +149,42 @@ class AITuneMixin:
         if state is not None:
             state.registration.detach()
 
-    def measure_aitune(self, *args: Any, rounds: int = 3, **kwargs: Any) -> dict[str, Any]:
+    def measure_aitune(self, *args: Any, rounds: int = 3, method: str = "__call__", **kwargs: Any) -> dict[str, Any]:
         """Time whole calls eager and tuned, interleaved for `rounds`, and record the medians in the report.
 
-        Call it once tuning is done (`self.aitune.all_tuned`); each round makes one eager and one tuned call.
+        Call it once tuning is done (`self.aitune.all_tuned`); each round makes one eager and one tuned call of
+        `method`: "__call__" (default), or the whole call this object is used through ("generate" for a
+        generative model, "decode" / "encode" for a VAE).
         """
+        from aitune_hf.errors import UserInputError
+        from aitune_hf.hf.loading import BOUNDARY_METHODS
+
+        valid = ("__call__", *(name for name in BOUNDARY_METHODS if callable(getattr(self, name, None))))
+        if method not in valid:
+            raise UserInputError(f"measure_aitune method must be one of {', '.join(valid)}, got {method!r}")
         state = self._aitune_state_or_raise()
         if not state.registration.all_tuned:
             raise RuntimeError(
                 "measure_aitune() compares eager with tuned calls: call the pipeline until "
                 f"aitune.all_tuned is True first (states now: {state.registration.state_counts})"
             )
-        call = self._aitune_plain_call()
+        call = self._aitune_plain_call(method)
         eager, tuned = [], []
-        for _ in range(rounds):
-            with state.registration.bypass():
+        state.inside.depth = 1  # what the calls below reach (generate()'s forwards) is part of them, not counted
+        try:
+            for _ in range(rounds):
+                with state.registration.bypass():
+                    start = time.perf_counter()
+                    call(*args, **kwargs)
+                    eager.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 call(*args, **kwargs)
-                eager.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            call(*args, **kwargs)
-            tuned.append(time.perf_counter() - start)
+                tuned.append(time.perf_counter() - start)
+        finally:
+            state.inside.depth = 0
         state.measured = True
-        return _record_end_to_end(state, eager, tuned, f"interleaved whole calls, {rounds} rounds, medians")
+        what = "whole calls" if method == "__call__" else f"{method}() calls"
+        return _record_end_to_end(state, eager, tuned, f"interleaved {what}, {rounds} rounds, medians")
 
     # -- call boundaries (the dynamic subclass routes __call__ here) --------------------------------------
     def _aitune_call(self, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -245,9 +258,9 @@ class AITuneMixin:
                 return True
         return False
 
-    def _aitune_plain_call(self) -> Callable[..., Any]:
-        """The concrete class's own __call__, without the mixin's call bookkeeping."""
-        return super(type(self), self).__call__  # type: ignore[misc]
+    def _aitune_plain_call(self, method: str = "__call__") -> Callable[..., Any]:
+        """The concrete class's own `method` (a whole call), without the mixin's call bookkeeping."""
+        return getattr(super(type(self), self), method)
 
     def _aitune_state_or_raise(self) -> _AITuneState:
         state = self.__dict__.get("_aitune_state")
