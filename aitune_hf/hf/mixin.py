@@ -132,10 +132,14 @@ class AITuneMixin:
         try:
             _apply_weight_motion(registration, found)
             if auto:
-                allowed = set(component_backends)
-                reason = f"auto mode tries whole components with {', '.join(sorted(allowed))} only"
-                for target in registration.targets.values():
-                    target.restrict(lambda backend: backend.name in allowed, reason)
+                for component in found:
+                    allowed = set(component_backends) | (
+                        _GENERATIVE_BACKENDS if _generates(component.module) else set()
+                    )
+                    reason = f"auto mode tries whole components with {', '.join(sorted(allowed))} only"
+                    registration.targets[component.name].restrict(
+                        lambda backend, allowed=allowed: backend.name in allowed, reason
+                    )
         except BaseException:
             registration.detach()  # all or nothing: no target stays patched when enabling fails
             raise
@@ -381,6 +385,21 @@ def _drop_eager_forwards(obj: Any) -> None:
                 and forward.__func__ is getattr(type(module), "forward", None)
             ):
                 del module.__dict__["forward"]
+
+
+#: What auto mode adds for a generative model whole: its calls hold the KV cache, which ONNX Runtime cannot
+#: take, and one compiled forward per token beats a compiled call per block (each pays Dynamo's guards on the
+#: cache): benchmarks/results/generation.md.
+_GENERATIVE_BACKENDS = frozenset({"inductor"})
+
+
+def _generates(module: Any) -> bool:
+    """True for a Transformers model that generates (its forward runs once per generated token)."""
+    can_generate = getattr(module, "can_generate", None)
+    try:
+        return bool(callable(can_generate) and can_generate())
+    except Exception:  # a model whose can_generate() needs more set-up than it has
+        return False
 
 
 def _fields(config: TuningConfig) -> dict[str, Any]:

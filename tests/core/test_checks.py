@@ -55,3 +55,20 @@ def test_model_output_like_dataclasses_are_compared_field_by_field() -> None:
     x = torch.randn(2)
     assert compare_outputs(OrderedDict(a=x), OrderedDict(a=x.clone()), tolerance).ok
     assert not compare_outputs(OrderedDict(a=x), OrderedDict(a=x + 1), tolerance).ok
+
+
+def test_returned_objects_are_compared_by_the_tensors_they_hold() -> None:
+    """A whole LM returns the KV cache it was given; each replay holds its own copy (never `==` to another)."""
+    from transformers import DynamicCache
+
+    def cache(scale: float) -> DynamicCache:
+        filled = DynamicCache()
+        filled.update(torch.ones(1, 2, 3, 4) * scale, torch.ones(1, 2, 3, 4), layer_idx=0)
+        return filled
+
+    x = torch.randn(2)
+    assert compare_outputs((x, cache(1.0)), (x, cache(1.0)), tolerance).ok
+    result = compare_outputs((x, cache(1.0)), (x, cache(2.0)), tolerance)
+    assert not result.ok
+    assert "output leaf 1 (DynamicCache): output leaf 0 differs from eager by up to 1" in result.reason
+    assert "differs" in compare_outputs((x, cache(1.0)), (x, object()), tolerance).reason

@@ -133,3 +133,24 @@ def test_a_text_generation_pipeline_call_is_one_whole_call(llama_folder) -> None
     finally:
         pipe.disable_aitune()
     assert unpatched(model.modules())
+
+
+def test_auto_tries_a_generative_model_whole_with_inductor(llama_folder) -> None:
+    """Auto mode: a model that generates is tried whole with Inductor too (its calls hold the KV cache, which
+    ONNX Runtime cannot take); the returned cache is checked by the tensors it holds."""
+    model = AITuneModel.from_pretrained(llama_folder, auto_class=LM_AUTO_CLASSES["llama"]).eval()
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    static = {"cache_implementation": "static", **GREEDY}
+    expected = model.generate(input_ids=ids, **static)
+    registration = model.enable_aitune("auto", **QUICK)
+    try:
+        outputs = [model.generate(input_ids=ids, **static) for _ in range(3)]
+        target = registration.targets["model"]
+        assert target.state is TargetState.TUNED and not registration.descended, registration.report()
+        assert target.report().backend == "inductor", registration.report()
+        assert target.calls_served.get("inductor", 0) == 2 * GREEDY["max_new_tokens"], target.calls_served
+        for out in outputs:
+            assert torch.equal(out, expected)
+    finally:
+        model.disable_aitune()
+    assert unpatched(model.modules())
