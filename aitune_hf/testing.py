@@ -18,9 +18,8 @@ from __future__ import annotations
 import json
 import string
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from transformers import CLIPTokenizer, T5Tokenizer
@@ -732,8 +731,7 @@ FAMILY_GENERATE: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True)
-class ModelFamily:
+class ModelFamily(NamedTuple):
     """How to build, load, feed and call one tiny model of a family.
 
     ``library`` is ``"diffusers"`` or ``"transformers"``; ``model_class`` the class (a name in that library)
