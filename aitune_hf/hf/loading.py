@@ -17,12 +17,9 @@ from typing import Any
 
 from aitune_hf.core.registration import Registration
 from aitune_hf.errors import UserInputError
-from aitune_hf.hf.mixin import AITuneMixin
+from aitune_hf.hf.mixin import BOUNDARY_METHODS, AITuneMixin
 
 _SUBCLASSES: dict[type, type] = {}
-#: Methods that are whole calls besides __call__: a Transformers model's generate() (every forward inside it
-#: is one step of the same call), a VAE's encode() / decode() (how pipelines and users run a VAE).
-BOUNDARY_METHODS = ("generate", "encode", "decode")
 
 
 def with_aitune(cls: type) -> type:

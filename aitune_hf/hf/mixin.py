@@ -8,6 +8,7 @@ and it times whole calls before and after tuning: the report leads with that mea
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import copyreg
 import logging
@@ -15,7 +16,7 @@ import statistics
 import threading
 import time
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,11 @@ from aitune_hf.hf.hooks import install_slot_locators, weight_motion
 from aitune_hf.hf.targets import FoundTarget, TargetSelection, as_modules, find_targets
 
 logger = logging.getLogger(__name__)
+
+#: Methods that are whole calls besides __call__: a Transformers model's generate() (every forward inside it
+#: is one step of the same call), a VAE's encode() / decode() (how pipelines and users run a VAE). The dynamic
+#: subclasses of `aitune_hf.hf.loading` route them to `AITuneMixin._aitune_call`.
+BOUNDARY_METHODS = ("generate", "encode", "decode")
 
 
 @dataclass
@@ -49,6 +55,20 @@ class _AITuneState:
     rearm_at: int | None = None  # arm again after this many whole calls (the blocks of "auto" mode)
     lock: threading.Lock = field(default_factory=threading.Lock)  # whole calls may come from many threads
     inside: threading.local = field(default_factory=threading.local)  # `.depth`: this thread is in a whole call
+
+    @property
+    def in_whole_call(self) -> bool:
+        """True while this thread is inside a whole call (or a measurement): nested boundaries are part of it."""
+        return bool(getattr(self.inside, "depth", 0))
+
+    @contextlib.contextmanager
+    def whole_call(self) -> Iterator[None]:
+        """Mark this thread as inside a whole call for the duration of the block."""
+        self.inside.depth = 1
+        try:
+            yield
+        finally:
+            self.inside.depth = 0
 
 
 class AITuneMixin:
@@ -161,7 +181,6 @@ class AITuneMixin:
         generative model, "decode" / "encode" for a VAE).
         """
         from aitune_hf.errors import UserInputError
-        from aitune_hf.hf.loading import BOUNDARY_METHODS
 
         valid = ("__call__", *(name for name in BOUNDARY_METHODS if callable(getattr(self, name, None))))
         if method not in valid:
@@ -174,8 +193,7 @@ class AITuneMixin:
             )
         call = self._aitune_plain_call(method)
         eager, tuned = [], []
-        state.inside.depth = 1  # what the calls below reach (generate()'s forwards) is part of them, not counted
-        try:
+        with state.whole_call():  # what the calls below reach (generate()'s forwards) is part of them, not counted
             for _ in range(rounds):
                 with state.registration.bypass():
                     start = time.perf_counter()
@@ -184,8 +202,6 @@ class AITuneMixin:
                 start = time.perf_counter()
                 call(*args, **kwargs)
                 tuned.append(time.perf_counter() - start)
-        finally:
-            state.inside.depth = 0
         state.measured = True
         what = "whole calls" if method == "__call__" else f"{method}() calls"
         return _record_end_to_end(state, eager, tuned, f"interleaved {what}, {rounds} rounds, medians")
@@ -195,13 +211,10 @@ class AITuneMixin:
         """One whole call (`__call__`, `generate`, `encode`, `decode`). A boundary reached inside another one on
         the same thread (each forward of generate(), the decode() inside a VAE's forward) is part of it."""
         state: _AITuneState | None = self.__dict__.get("_aitune_state")
-        if state is None or state.registration.detached or getattr(state.inside, "depth", 0):
+        if state is None or state.registration.detached or state.in_whole_call:
             return call(*args, **kwargs)
-        state.inside.depth = 1
-        try:
+        with state.whole_call():
             return self._aitune_whole_call(state, call, args, kwargs)
-        finally:
-            state.inside.depth = 0
 
     def _aitune_whole_call(
         self, state: _AITuneState, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
