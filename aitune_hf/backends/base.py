@@ -18,6 +18,9 @@ import torch
 from aitune_hf.errors import InputTypeError, UserInputError
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
+#: Call leaves that are plain values (compared and copied by value); a leaf that is neither one of these nor a
+#: tensor is an object input (a KV cache), which only backends with `accepts_objects` take.
+PLAIN_VALUES = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from aitune_hf.backends.base import Backend, BuiltBackend, Call, register_backend
+from aitune_hf.backends.base import PLAIN_VALUES, Backend, BuiltBackend, Call, register_backend
 
 
 @register_backend
@@ -105,8 +105,7 @@ def _holds_objects(call: Call) -> bool:
     """True when an input is neither a tensor nor a plain value (an object such as a KV cache)."""
     from torch.utils import _pytree as pytree
 
-    plain = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
-    return not all(isinstance(leaf, plain) for leaf in pytree.tree_leaves(call))
+    return not all(isinstance(leaf, (torch.Tensor, *PLAIN_VALUES)) for leaf in pytree.tree_leaves(call))
 
 
 def _layout(call: Call) -> tuple[Any, ...]:

@@ -11,8 +11,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
+from aitune_hf.backends.base import PLAIN_VALUES
+
 # Leaves whose value (not just type) is part of the signature: a backend may bake them into its graph.
-_SCALAR_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_SCALAR_TYPES = PLAIN_VALUES
 
 
 class TensorSpec(NamedTuple):
