@@ -30,6 +30,12 @@ class BuiltBackend:
     fn: Callable[..., Any]
     bakes_weights: bool = False
     artifacts: list[Path] = field(default_factory=list)
+    #: For a build with `dynamic=True`: per tensor leaf of the call (in pytree order), the dimensions whose size
+    #: may differ from the samples'; every other dimension must match. None: the samples' exact shapes only.
+    dynamic_dims: tuple[frozenset[int], ...] | None = None
+    #: A count that grows whenever the callable ran (part of) a call in another way than built (Dynamo running a
+    #: frame eager): the core reads it around each new shape's one-time check. None: it never does.
+    fell_back: Callable[[], int] | None = None
 
 
 class Backend(abc.ABC):
@@ -42,6 +48,8 @@ class Backend(abc.ABC):
     supports_autograd: bool = False
     #: True when the built callable takes inputs that are objects (a KV cache) and honours their side effects.
     accepts_objects: bool = False
+    #: True when `build(..., dynamic=True)` makes one callable for a shape family (see `build`).
+    polymorphic: bool = False
 
     def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
         """Why this backend cannot run on `devices`, or None when it can."""
@@ -52,7 +60,13 @@ class Backend(abc.ABC):
         """Build a callable equivalent to ``forward`` for calls shaped like ``samples`` (one signature).
 
         Must not change ``module``, even for a moment: other threads keep calling it eagerly while it builds
-        (a tracer that swaps parameters, as ``torch.export`` does, must work on a copy)."""
+        (a tracer that swaps parameters, as ``torch.export`` does, must work on a copy).
+
+        A backend with ``polymorphic = True`` also takes ``dynamic=True``: ``samples`` then belong to one shape
+        family (equal structure, ranks, dtypes, devices and plain values; tensor sizes may differ), and the
+        callable must serve calls of the family whose tensors differ only in the sizes of the dimensions it
+        names in ``BuiltBackend.dynamic_dims``. The tuning core checks it against eager on each new shape once
+        before serving it."""
 
     def describe(self) -> str:
         """The name shown in reports (options included)."""

@@ -7,15 +7,21 @@ copy of the forward's code, one per (function, input layout): identical sibling 
 share one graph (parameters are graph inputs), and no build spends another's limit. A build that Dynamo ran
 eager anyway (a frame it gave up on) fails with that reason instead of passing as "inductor".
 
-Shapes: `dynamic=False` where the inputs pin every shape. Inputs that hold objects (a KV cache) carry shapes
-the signature cannot see (the cache grows every decode step): those builds use automatic dynamic shapes, so
-a growing cache costs one more graph, not one per step. `freezing=True` folds the weights into the graph as
+Shapes: `dynamic=False` where the inputs pin every shape. A build for a shape family (`dynamic=True`), and
+inputs that hold objects (a KV cache grows every decode step, unseen by the signature), use Dynamo's automatic
+dynamic shapes: a graph for the first shape, then one graph with symbolic sizes for the dimensions that
+changed, not one graph per shape. Dynamo's recompile limit still applies (a size 0 or 1 is specialised): a
+frame it runs eager is counted (`BuiltBackend.fell_back`), so the tuning core rejects the shape that caused it.
+
+`freezing=True` folds the weights into the graph as
 constants, which is faster on CPU but bakes the weights (a private code object per module instance).
 """
 
 from __future__ import annotations
 
 import threading
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +36,7 @@ class InductorBackend(Backend):
 
     name = "inductor"
     accepts_objects = True  # Dynamo traces object inputs and replays their mutations
+    polymorphic = True  # dynamic=True: one graph with symbolic sizes serves a shape family
 
     def __init__(
         self,
@@ -49,7 +56,8 @@ class InductorBackend(Backend):
         self.options = dict(options or {})
         if freezing:
             self.options["freezing"] = True
-        self._private: dict[tuple[Any, ...], Callable[..., Any]] = {}  # (function, instance, layout) -> copy
+        #: (function, instance, dynamic, layout) -> private function copy, held only by the builds that use it.
+        self._private: weakref.WeakValueDictionary[tuple[Any, ...], types.FunctionType] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
     @property
@@ -65,19 +73,25 @@ class InductorBackend(Backend):
         extras += [f"{k}={v}" for k, v in sorted(self.options.items())]
         return f"{self.name}({', '.join(extras)})" if extras else self.name
 
-    def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
+    def build(
+        self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call], dynamic: bool = False
+    ) -> BuiltBackend:
         objects = any(_holds_objects(call) for call in samples)
         # Frozen graphs hold one module's weights as constants: a private code object per instance, so Dynamo
         # never serves one instance's constants to a sibling.
-        key = (_function_of(forward), id(module) if self.freezing else None, _layout(samples[0]) if samples else ())
-        with self._lock:
-            if key not in self._private:
-                self._private[key] = _private_copy(forward)
-            private = self._private[key]
+        layout = _layout(samples[0], sizes=not dynamic) if samples else ()
+        key = (_function_of(forward), id(module) if self.freezing else None, dynamic, layout)
+        private = _function_of(forward)
+        if isinstance(private, types.FunctionType) and isinstance(getattr(forward, "__self__", None), torch.nn.Module):
+            with self._lock:
+                cached = self._private.get(key)
+                if cached is None:
+                    cached = self._private[key] = _private_copy(private)
+            private = cached
         compiled = torch.compile(
             _rebind(private, forward),
             backend="inductor",
-            dynamic=None if objects else False,
+            dynamic=None if dynamic or objects else False,
             fullgraph=self.fullgraph,
             mode=self.mode,
             options=self.options or None,
@@ -92,7 +106,35 @@ class InductorBackend(Backend):
                 f"{torch._dynamo.config.recompile_limit} reached, or code it cannot compile); "
                 f"TORCH_LOGS=recompiles,graph_breaks shows which"
             )
-        return BuiltBackend(fn=compiled, bakes_weights=self.freezing)
+        dynamic_dims = None
+        if dynamic and samples:  # automatic dynamic shapes: a size that varies becomes symbolic at its first change
+            tensors = [leaf for leaf in _leaves(samples[0]) if isinstance(leaf, torch.Tensor)]
+            dynamic_dims = tuple(frozenset(range(t.dim())) for t in tensors)
+        return BuiltBackend(
+            fn=_Compiled(compiled, private),
+            bakes_weights=self.freezing,
+            dynamic_dims=dynamic_dims,
+            fell_back=_eager_frames,
+        )
+
+
+class _Compiled:
+    """The compiled callable, holding the private code it runs: the code (and Dynamo's cache of graphs kept on
+    it) lives exactly as long as a build that uses it; a candidate that lost releases its graphs."""
+
+    __slots__ = ("_fn", "_private")
+
+    def __init__(self, fn: Callable[..., Any], private: Callable[..., Any]) -> None:
+        self._fn, self._private = fn, private
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+
+def _eager_frames() -> int:
+    """Frames Dynamo has run eager in this process (its recompile limit, or code it cannot compile)."""
+    total, ok = _frames()
+    return total - ok
 
 
 def _frames() -> tuple[int, int]:
@@ -108,13 +150,20 @@ def _holds_objects(call: Call) -> bool:
     return not all(isinstance(leaf, (torch.Tensor, *PLAIN_VALUES)) for leaf in pytree.tree_leaves(call))
 
 
-def _layout(call: Call) -> tuple[Any, ...]:
-    """The input layout one compiled graph serves: tensor shapes, dtypes and strides; other leaves' types."""
+def _leaves(call: Call) -> list[Any]:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_leaves(call)
+
+
+def _layout(call: Call, sizes: bool = True) -> tuple[Any, ...]:
+    """The input layout one compiled graph serves: tensor shapes, dtypes and strides (for a graph with symbolic
+    sizes, what it specialises on); other leaves' types."""
     from torch.utils import _pytree as pytree
 
     leaves, spec = pytree.tree_flatten(call)
     described = [
-        (tuple(leaf.shape), leaf.dtype, leaf.stride(), leaf.device.type)
+        ((tuple(leaf.shape), leaf.stride()) if sizes else _layout_kind(leaf), leaf.dtype, leaf.device.type)
         if isinstance(leaf, torch.Tensor)
         else type(leaf).__qualname__
         for leaf in leaves
@@ -122,27 +171,34 @@ def _layout(call: Call) -> tuple[Any, ...]:
     return (str(spec), *described)
 
 
+def _layout_kind(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What a graph with symbolic sizes still specialises on: rank, broadcast (stride-0) dimensions, memory format,
+    and sizes 0 and 1."""
+    return (
+        tensor.dim(),
+        tuple(stride == 0 for stride in tensor.stride()),
+        tuple(min(size, 2) for size in tensor.shape),
+        tensor.is_contiguous(),
+        tensor.is_contiguous(memory_format=torch.channels_last),
+    )
+
+
 def _function_of(forward: Callable[..., Any]) -> Any:
     return getattr(forward, "__func__", forward)
 
 
 def _rebind(private: Callable[..., Any], forward: Callable[..., Any]) -> Callable[..., Any]:
-    """`private` (a copy of `forward`'s function) bound to `forward`'s own module."""
-    import types
-
-    func, owner = getattr(private, "__func__", None), getattr(forward, "__self__", None)
-    return types.MethodType(func, owner) if func is not None and owner is not None else private
-
-
-def _private_copy(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """A bound forward whose function has a fresh code object (Dynamo caches per code object)."""
-    func = getattr(forward, "__func__", None)
+    """`private` (a copy of `forward`'s function) bound to `forward`'s own module; `forward` when not a copy."""
     owner = getattr(forward, "__self__", None)
-    if func is None or owner is None:
+    if private is _function_of(forward) or owner is None:
         return forward
-    import types
+    return types.MethodType(private, owner)
 
-    code = func.__code__.replace()
-    fresh = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+
+def _private_copy(func: types.FunctionType) -> types.FunctionType:
+    """`func` with a fresh code object (Dynamo caches graphs per code object)."""
+    fresh = types.FunctionType(
+        func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__, func.__closure__
+    )
     fresh.__kwdefaults__ = func.__kwdefaults__
-    return types.MethodType(fresh, owner)
+    return fresh

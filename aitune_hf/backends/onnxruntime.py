@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 from aitune_hf.backends.base import Backend, BuiltBackend, Call, register_backend
 from aitune_hf.errors import ConfigError
 
+logger = logging.getLogger(__name__)
 _INSTALL_HINT = "pip install 'aitune-hf[onnx]'"
 _WEIGHT_MODES = ("baked", "live")
 
@@ -47,6 +48,7 @@ class OnnxRuntimeBackend(Backend):
     """
 
     name = "onnxruntime"
+    polymorphic = True  # dynamic axes: one session serves a shape family
 
     def __init__(
         self,
@@ -94,12 +96,17 @@ class OnnxRuntimeBackend(Backend):
             return f"inputs span several devices ({', '.join(sorted(map(str, devices)))})"
         return None
 
-    def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
+    def build(
+        self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call], dynamic: bool = False
+    ) -> BuiltBackend:
+        """Export once and open one session. With `dynamic=True` every dimension of every tensor input is
+        exported as `Dim.AUTO`: the exporter keeps dynamic what the model allows (sizes 0 and 1 and sizes its
+        code depends on stay fixed), and `dynamic_dims` reads which dimensions stayed free off the session."""
         # No `set_default_logger_severity`: it is process-wide (and cannot be read back); the session's own
         # `log_severity_level` below keeps this session quiet.
         import onnxruntime
 
-        args, kwargs = samples[0]
+        args, kwargs = _widest(samples) if dynamic else samples[0]
         in_leaves, in_spec = pytree.tree_flatten((args, kwargs))
         tensor_positions = [i for i, leaf in enumerate(in_leaves) if isinstance(leaf, torch.Tensor)]
         for leaf in in_leaves:
@@ -118,24 +125,30 @@ class OnnxRuntimeBackend(Backend):
         if not out_tensor_positions:
             raise TypeError("the forward returns no tensor; nothing to export")
 
-        # The exporter swaps the module's parameters for fake tensors while it traces: export a private copy, so
-        # that other threads can keep calling the user's module meanwhile. The session reads nothing of it.
-        twin, twin_forward = _private_twin(module, forward)
-        flat = _FlatForward(twin, twin_forward, in_leaves, in_spec, tensor_positions, list(weights))
-        flat = flat.train(module.training)
         weight_names = [f"weight_{i}" for i in range(len(weights))]
         input_names = [f"input_{i}" for i in range(len(tensor_positions))]
         output_names = [f"output_{i}" for i in range(len(out_tensor_positions))]
         device = next(leaf.device for leaf in in_leaves if isinstance(leaf, torch.Tensor))
 
-        with _exporting(), torch.inference_mode(False), torch.no_grad():
+        def export(dims: list[frozenset[int]] | None) -> Any:
+            # The exporter swaps the module's parameters for fake tensors while it traces: export a private copy,
+            # so that other threads can keep calling the user's module meanwhile. The session reads nothing of it.
+            # A fresh copy and fresh example tensors per attempt: a failed trace leaves symbolic state on them.
+            twin, twin_forward = _private_twin(module, forward)
+            flat = _FlatForward(twin, twin_forward, in_leaves, in_spec, tensor_positions, list(weights))
+            flat = flat.train(module.training)
             # Weights are passed as they are (no copy) unless they are inference tensors, which the exporter
             # cannot take outside inference mode; tied weights are passed once per name.
             example = tuple(w.clone() if w.is_inference() else w.detach() for w in weights.values())
             example += tuple(in_leaves[i].clone() for i in tensor_positions)
-            program = torch.onnx.export(
+            dynamic_shapes = None
+            if dims is not None:
+                auto = torch.export.Dim.AUTO
+                dynamic_shapes = (tuple(None for _ in weights) + tuple({d: auto for d in f} or None for f in dims),)
+            return torch.onnx.export(
                 flat,
                 example,
+                dynamic_shapes=dynamic_shapes,
                 input_names=weight_names + input_names,
                 output_names=output_names,
                 opset_version=self.opset_version,
@@ -145,6 +158,17 @@ class OnnxRuntimeBackend(Backend):
                 report=False,
                 dump_exported_program=False,
             )
+
+        with _exporting(), torch.inference_mode(False), torch.no_grad():
+            attempts = _dynamic_attempts(samples) if dynamic else [None]
+            for attempt, dims in enumerate(attempts):
+                try:
+                    program = export(dims)
+                    break
+                except Exception:
+                    if attempt == len(attempts) - 1:
+                        raise
+                    logger.debug("export with dynamic dims %s failed; trying fewer", dims, exc_info=True)
             model, path, cleanup = self._place(program, module, large=bakes and _needs_external_data(module))
 
         options = onnxruntime.SessionOptions()
@@ -171,12 +195,13 @@ class OnnxRuntimeBackend(Backend):
             out_spec=out_spec,
             out_template=[None if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves],
             out_tensor_positions=out_tensor_positions,
-            out_shapes=[tuple(out_leaves[i].shape) for i in out_tensor_positions],
+            out_shapes=None if dynamic else [tuple(out_leaves[i].shape) for i in out_tensor_positions],
             out_dtypes=[out_leaves[i].dtype for i in out_tensor_positions],
         )
         if cleanup is not None:  # a temporary folder lives as long as the session that reads it
             weakref.finalize(runner, shutil.rmtree, cleanup, ignore_errors=True)
-        return BuiltBackend(fn=runner, bakes_weights=bakes, artifacts=[path] if path else [])
+        dynamic_dims = _free_dims(session, input_names, [in_leaves[i] for i in tensor_positions]) if dynamic else None
+        return BuiltBackend(fn=runner, bakes_weights=bakes, artifacts=[path] if path else [], dynamic_dims=dynamic_dims)
 
     def _place(self, program: Any, module: torch.nn.Module, large: bool) -> tuple[Any, Path | None, Path | None]:
         """Where the session reads the model from: `artifact_dir` when set, else memory (or, past protobuf's
@@ -188,6 +213,47 @@ class OnnxRuntimeBackend(Backend):
         path = directory / f"{type(module).__name__}_{id(module):x}_{len(list(directory.iterdir()))}.onnx"
         program.save(str(path), external_data=large)
         return str(path), path, None if self.artifact_dir else directory
+
+
+def _dynamic_attempts(samples: Sequence[Call]) -> list[list[frozenset[int]] | None]:
+    """Which dimensions to export as dynamic, per tensor input, most general first. A family of several shapes:
+    every dimension of size 2 or more, then only those that vary across the samples (some models trace only with
+    fewer symbols). A family of one shape: every dimension of size 2 or more, then none (the build then serves
+    that shape only). Sizes 0 and 1 stay fixed: a size-1 dimension is a broadcast one (an attention mask's head
+    dimension), which a symbol would break."""
+    shapes = [[tuple(t.shape) for t in pytree.tree_leaves(call) if isinstance(t, torch.Tensor)] for call in samples]
+    widest = [tuple(t.shape) for t in pytree.tree_leaves(_widest(samples)) if isinstance(t, torch.Tensor)]
+    every = [frozenset(d for d, size in enumerate(shape) if size > 1) for shape in widest]
+    varying = [
+        frozenset(d for d in every[index] if len({shape[index][d] for shape in shapes}) > 1)
+        for index in range(len(widest))
+    ]
+    return [every, varying] if any(varying) else [every, None]
+
+
+def _widest(samples: Sequence[Call]) -> Call:
+    """The sample to export a shape family from: the most dimensions above 1 (the exporter fixes sizes 0 and 1),
+    then the most elements."""
+
+    def width(call: Call) -> tuple[int, int]:
+        tensors = [leaf for leaf in pytree.tree_leaves(call) if isinstance(leaf, torch.Tensor)]
+        return sum(size > 1 for t in tensors for size in t.shape), sum(t.numel() for t in tensors)
+
+    return max(samples, key=width)
+
+
+def _free_dims(session: Any, input_names: list[str], tensors: list[torch.Tensor]) -> tuple[frozenset[int], ...]:
+    """Per tensor input, the dimensions the session leaves free (symbolic in the graph); an input the graph
+    dropped takes any shape."""
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    free = []
+    for name, tensor in zip(input_names, tensors, strict=True):
+        shape = shapes.get(name)
+        if shape is None:
+            free.append(frozenset(range(tensor.dim())))
+        else:
+            free.append(frozenset(d for d, size in enumerate(shape) if not isinstance(size, int)))
+    return tuple(free)
 
 
 def _private_twin(module: torch.nn.Module, forward: Callable[..., Any]) -> tuple[torch.nn.Module, Callable[..., Any]]:
@@ -274,7 +340,7 @@ class _SessionRunner:
         out_spec: pytree.TreeSpec,
         out_template: list[Any],
         out_tensor_positions: list[int],
-        out_shapes: list[tuple[int, ...]],
+        out_shapes: list[tuple[int, ...]] | None,
         out_dtypes: list[torch.dtype],
     ) -> None:
         self.session = session
@@ -345,6 +411,13 @@ class _SessionRunner:
                 binding.bind_ortvalue_input(name, value)
                 continue
             binding.bind_input(name, "cuda", index, _numpy_dtype(tensor.dtype), tuple(tensor.shape), tensor.data_ptr())
+        if self.out_shapes is None:  # a shape family: output shapes are known after the run
+            for name in self.output_names:
+                binding.bind_output(name, "cuda", index)
+            torch.cuda.current_stream(self.device).synchronize()
+            self.session.run_with_iobinding(binding)
+            # A copy through the host: correct for every shape, slower than the fixed-shape path below.
+            return [torch.from_numpy(value.numpy()).to(self.device) for value in binding.get_outputs()]
         # Fresh buffers every call: an output handed to the user is never overwritten later.
         outputs = [
             torch.empty(shape, dtype=dtype, device=self.device)

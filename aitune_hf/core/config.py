@@ -58,6 +58,13 @@ class TuningConfig:
             is compared in full) plus about 16 spread elements per tensor; misses only a write through `.data`
             (no version bump) confined to a few rows or elements. "full": every tensor in full on every call
             (one pass over the weights: 5-10% of a MiniLM call at batch 1, 32 tokens).
+        shapes: "family" (default): signatures that differ only in tensor sizes (batch, sequence length,
+            resolution; equal structure, ranks, dtypes, devices and plain values) are one shape family, tuned
+            together: one polymorphic build per family (ONNX Runtime with dynamic axes, Inductor with
+            `dynamic=True`), checked on every recorded shape and timed on the hottest ones. A later call of a new
+            shape the build covers is checked against eager once (it returns eager's output), then served.
+            "exact": one build per exact signature; calls of any other shape run eager and are recorded.
+            Calls that hold objects (a KV cache) are tuned per exact signature either way.
         retune: after a guard failure (module state or structure changed since a backend was built), re-tune
             on its own at a later call; False: only when `tune()` is called.
 
@@ -87,6 +94,7 @@ class TuningConfig:
     share_identical: bool = True
     progress: bool = True
     max_routes: int = 8
+    shapes: str = "family"
     retune: bool = True
     weight_check: str = "sampled"
 
@@ -110,6 +118,8 @@ class TuningConfig:
         self.share_identical = _check_bool("share_identical", self.share_identical)
         self.progress = _check_bool("progress", self.progress)
         self.max_routes = _check_int("max_routes", self.max_routes, 1)
+        if self.shapes not in ("family", "exact"):
+            raise _error("shapes", self.shapes, "'family' or 'exact'")
         self.retune = _check_bool("retune", self.retune)
         if self.weight_check not in ("sampled", "full"):
             raise _error("weight_check", self.weight_check, "'sampled' or 'full'")

@@ -53,6 +53,8 @@ class TuningContext:
         decisions: decisions shared by identical siblings (sibling key -> (owner name, Decision)).
         progress: the progress bar.
         bypassed: True while the registration runs everything eager (`Registration.bypass()`).
+        on_call: an observer of routed calls (the Hugging Face layer arms tuning from it where it sees no
+            whole call).
     """
 
     config: TuningConfig
@@ -61,3 +63,5 @@ class TuningContext:
     progress: Progress
     bypassed: Callable[[], bool]
     decisions: dict[Any, tuple[str, Decision]] = field(default_factory=dict)
+    #: Called with the target's name at the start of each routed call, while set (`Registration.observe_calls`).
+    on_call: Callable[[str], None] | None = None

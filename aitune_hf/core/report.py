@@ -39,6 +39,10 @@ class SignatureReport:
     reason: str | None = None  # why eager was kept, when it was
     shared_from: str | None = None  # the identical sibling whose decision was reused
     details: str | None = None  # the full text behind `reason` when an exception caused it (every chained cause)
+    shapes: int = 1  # concrete input shapes this decision serves: those tuned on, then those admitted after a check
+    shape_checks: int = 0  # one-time checks against eager of new shapes (a polymorphic build), and their cost
+    shape_check_seconds: float = 0.0
+    shapes_rejected: list[str] = field(default_factory=list)  # new shapes whose check failed (they run eager)
 
     @property
     def chosen_latency_s(self) -> float | None:
@@ -128,6 +132,16 @@ class TuningReport:
             if shared:  # the timings shown are the sibling's: this block was checked, not timed
                 note = f"{note}; " if note else ""
                 note += f"decision and timings shared with {shared}"
+            shapes = sum(s.shapes for s in report.signatures if s.chosen != "eager")
+            checks = sum(s.shape_checks for s in report.signatures)
+            if checks or shapes > len(report.signatures):
+                note = f"{note}; " if note else ""
+                seconds = sum(s.shape_check_seconds for s in report.signatures)
+                note += f"serves {shapes} shapes ({checks} new shape(s) checked once against eager, {seconds:.2f} s)"
+            rejected = [text for s in report.signatures for text in s.shapes_rejected]
+            if rejected:
+                note = f"{note}; " if note else ""
+                note += f"{len(rejected)} new shape(s) run eager, their check failed (first: {rejected[0]})"
             if report.signatures_over_limit:
                 note = f"{note}; " if note else ""
                 note += f"{report.signatures_over_limit} call(s) of signatures beyond max_signatures ran eager"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -60,6 +62,16 @@ class InputSignature:
         """True when a leaf is neither a tensor nor a plain scalar (backends cannot export those)."""
         return any(isinstance(leaf, _OpaqueLeaf) for leaf in self.leaves)
 
+    @functools.cached_property
+    def family(self) -> ShapeFamily:
+        """What this signature shares with every call that differs from it only in tensor sizes."""
+        return ShapeFamily(
+            self.structure,
+            tuple(_rank_of(leaf) if isinstance(leaf, TensorSpec) else leaf for leaf in self.leaves),
+            self.grad_enabled,
+            self.inference_mode,
+        )
+
     def short(self) -> str:
         """A compact, human-readable description (used in reports)."""
         parts = [str(leaf) for leaf in self.leaves if isinstance(leaf, TensorSpec)]
@@ -73,6 +85,56 @@ class InputSignature:
 
     def __str__(self) -> str:
         return self.short()
+
+
+class _Rank(NamedTuple):
+    """A tensor leaf of a shape family: its rank, dtype and device; its sizes may vary."""
+
+    rank: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _rank_of(spec: TensorSpec) -> _Rank:
+    return _Rank(len(spec.shape), spec.dtype, spec.device)
+
+
+class ShapeFamily(NamedTuple):
+    """Signatures equal in everything but the sizes of tensor dimensions: one polymorphic build may serve them."""
+
+    structure: Any
+    leaves: tuple[Any, ...]
+    grad_enabled: bool
+    inference_mode: bool
+
+
+def describe_family(signatures: Sequence[InputSignature]) -> str:
+    """Like `InputSignature.short`, with each size that differs across `signatures` as its range ("6..130")."""
+    first = signatures[0]
+    if len(signatures) == 1:
+        return first.short()
+    specs = [signature.tensor_specs for signature in signatures]
+    parts = []
+    for index, spec in enumerate(first.tensor_specs):
+        dims = []
+        for dim in range(len(spec.shape)):
+            sizes = {other[index].shape[dim] for other in specs}
+            dims.append(str(spec.shape[dim]) if len(sizes) == 1 else f"{min(sizes)}..{max(sizes)}")
+        dtype = str(spec.dtype).removeprefix("torch.")
+        parts.append(f"{dtype}[{'x'.join(dims) or 'scalar'}]@{spec.device}")
+    text = ", ".join(parts)
+    rest = first.short().partition(" | ")[2]
+    return f"{text} | {rest} ({len(signatures)} shapes)" if rest else f"{text} ({len(signatures)} shapes)"
+
+
+def covers(reference: InputSignature, dynamic_dims: Sequence[frozenset[int]], signature: InputSignature) -> bool:
+    """True when `signature` (of `reference`'s family) differs from `reference` only in dimensions that
+    `dynamic_dims` (per tensor leaf) leaves free."""
+    for ref, spec, free in zip(reference.tensor_specs, signature.tensor_specs, dynamic_dims, strict=True):
+        for dim, (a, b) in enumerate(zip(ref.shape, spec.shape, strict=True)):
+            if a != b and dim not in free:
+                return False
+    return True
 
 
 @dataclass(frozen=True)

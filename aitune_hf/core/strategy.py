@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,7 @@ from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.guards import ModuleGuard
 from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import CandidateResult, SignatureReport
-from aitune_hf.core.signature import InputSignature, Sample, state_tensors
+from aitune_hf.core.signature import InputSignature, Sample, describe_family, state_tensors
 from aitune_hf.core.timing import Stopwatch, time_interleaved
 from aitune_hf.errors import ConfigError, TuningError
 
@@ -42,7 +42,13 @@ class NoEvidence(Exception):
 
 
 class TuningJob:
-    """Everything a strategy needs to tune one signature of one target.
+    """Everything a strategy needs to tune one signature, or one shape family, of one target.
+
+    `samples` maps each signature to its recorded calls, hottest signature first. With `dynamic`, the signatures
+    are one shape family (`InputSignature.family`): a polymorphic backend is built once for all of them
+    (`Backend.build(..., dynamic=True)`), checked on every recorded call of every shape, and timed on the calls
+    of the `TIMED_SHAPES` hottest shapes. A backend that builds one shape at a time is tried only on a family
+    of one shape, and then serves that shape only.
 
     Replays never touch what the user holds: each replay gets fresh copies of object inputs (`Sample.as_call`),
     and a candidate's check compares both its outputs and what it did to those objects (a KV cache it
@@ -52,39 +58,50 @@ class TuningJob:
         NoEvidence: no sample is left to check candidates against.
     """
 
+    #: Shapes of a family that candidates are timed on (the hottest ones).
+    TIMED_SHAPES = 3
+
     def __init__(
         self,
         module: torch.nn.Module,
         forward: Callable[..., Any],
-        signature: InputSignature,
-        samples: Sequence[Sample],
+        samples: Mapping[InputSignature, Sequence[Sample]],
         config: TuningConfig,
         restriction: Callable[[Backend], str | None] = lambda backend: None,
+        dynamic: bool = False,
     ) -> None:
         self.module = module
         self.forward = forward
-        self.signature = signature
+        self.signatures = list(samples)
+        self.signature = self.signatures[0]
+        self.dynamic = dynamic
         self.config = config
         self.restriction = restriction
-        self.devices = sorted(signature.devices, key=str)
-        replayable = [s for s in samples if s.unreplayable is None]
+        self.devices = sorted(self.signature.devices, key=str)
+        replayable = [(sig, s) for sig, kept in samples.items() for s in kept if s.unreplayable is None]
         if not replayable:
-            reasons = sorted({s.unreplayable for s in samples if s.unreplayable})
+            reasons = sorted({s.unreplayable for kept in samples.values() for s in kept if s.unreplayable})
             raise NoEvidence(f"recorded calls cannot be replayed: {'; '.join(reasons)}")
+        hot = set(self.signatures[: self.TIMED_SHAPES])
         self.samples: list[Sample] = []
         self.references: list[Any] = []
+        self._timed: list[int] = []  # indices into samples of the calls that are timed
         with self.mode():
-            for sample in replayable:
+            for signature, sample in replayable:
                 call = sample.as_call()
                 reference = self._observe(sample, call, forward(*call[0], **call[1]))
                 if _all_finite(reference):
+                    if signature in hot:
+                        self._timed.append(len(self.samples))
                     self.samples.append(sample)
                     self.references.append(reference)
         if not self.samples:
             raise NoEvidence(
                 f"no finite eager reference: all {len(replayable)} recorded call(s) gave non-finite outputs"
             )
-        self.report = SignatureReport(signature=signature.short(), samples=len(self.samples))
+        if not self._timed:
+            self._timed = list(range(len(self.samples)))
+        self.report = SignatureReport(signature=describe_family(self.signatures), samples=len(self.samples))
         #: Guards of the built candidates, by backend name (what each depends on besides its inputs).
         self.guards: dict[str, ModuleGuard] = {}
 
@@ -127,9 +144,15 @@ class TuningJob:
         if reason is not None:
             result.error = f"unavailable: {reason}"
             return result, None
+        if self.dynamic and not backend.polymorphic and len(self.signatures) > 1:
+            result.error = f"unavailable: builds one shape at a time, and this family has {len(self.signatures)}"
+            return result, None
         try:
             with Stopwatch() as watch, self.mode():
-                built = backend.build(self.module, self.forward, self.fresh_calls())
+                if self.dynamic and backend.polymorphic:
+                    built = backend.build(self.module, self.forward, self.fresh_calls(), dynamic=True)
+                else:
+                    built = backend.build(self.module, self.forward, self.fresh_calls())
             result.build_seconds = watch.seconds
             worst = 0.0
             with self.mode():
@@ -158,8 +181,13 @@ class TuningJob:
         Returns the candidates that survived; one that raised while being timed gets its error recorded.
         """
         fns = {"eager": self.forward} | {result.backend: self.serving(result, built) for result, built in candidates}
-        stateful = any(sample.stateful for sample in self.samples)
-        calls = self.fresh_calls if stateful else self.fresh_calls()
+        timed = [self.samples[i] for i in self._timed]
+        stateful = any(sample.stateful for sample in timed)
+
+        def fresh() -> list[Call]:
+            return [sample.as_call() for sample in timed]
+
+        calls = fresh if stateful else fresh()
         with self.mode():
             latencies, failures = time_interleaved(
                 fns, calls, self.devices, self.config.warmup, self.config.repeats, baseline="eager"

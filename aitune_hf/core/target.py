@@ -33,11 +33,12 @@ from typing import Any
 import torch
 
 from aitune_hf.backends.base import Backend, BuiltBackend
+from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.guards import ModuleGuard
 from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import ModuleReport, SignatureReport
-from aitune_hf.core.signature import InputSignature, Sample, signature_of
+from aitune_hf.core.signature import InputSignature, Sample, ShapeFamily, covers, describe_family, signature_of
 from aitune_hf.core.slots import ForwardSlot, all_slots, locate_slot
 from aitune_hf.core.strategy import Decision, NoEvidence, TuningJob
 from aitune_hf.core.timing import Stopwatch
@@ -47,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 #: Guard failures kept per target for the report (most recent last).
 _CHANGES_KEPT = 5
+#: Shapes remembered as rejected by a polymorphic build (beyond it, they are checked again).
+_REJECTED_KEPT = 1024
+#: What `Target._check_new_shape` returns when no polymorphic route covers a call.
+_NOT_COVERED = object()
 #: One tuning at a time in the process: torch.export and Dynamo tracing hold process-wide state (flags such as
 #: `torch.compiler.is_compiling()`, patched module calls). A thread that finds it taken runs its call eager.
 _TUNING = threading.Lock()
@@ -78,18 +83,26 @@ _TRANSITIONS: dict[TargetState, frozenset[TargetState]] = {
 }
 
 
-@dataclass
+@dataclass(eq=False)
 class _Route:
-    """How calls of one signature are served in one module state."""
+    """How calls of one signature (or of the shapes of one family) are served in one module state."""
 
     backend: Backend | None  # None: eager
     built: BuiltBackend | None
     report: SignatureReport
     guard: ModuleGuard  # the module state the decision was made in
+    reference: InputSignature | None = None  # a shape it was built on, for `covers`
 
     def holds(self) -> str | None:
         """None when this route may serve now, else what changed."""
         return self.guard.check()
+
+    def covers(self, signature: InputSignature) -> bool:
+        """True when the built backend takes `signature`'s shapes (a polymorphic build, sizes in its range)."""
+        built = self.built
+        if built is None or built.dynamic_dims is None or self.reference is None:
+            return False
+        return covers(self.reference, built.dynamic_dims, signature)
 
 
 class _ForwardRouter:
@@ -142,6 +155,12 @@ class Target:
         #: What changed, for the most recent guard failures.
         self.changes: collections.deque[str] = collections.deque(maxlen=_CHANGES_KEPT)
         self._routes: dict[InputSignature, list[_Route]] = {}
+        #: Polymorphic routes by shape family: a call of a new shape they cover is checked once, then served.
+        self._families: dict[ShapeFamily, list[_Route]] = {}
+        #: (signature, route) pairs whose one-time check failed: those calls run eager without a second check.
+        self._rejected: set[tuple[InputSignature, int]] = set()
+        #: Recorded calls per signature (the hottest shapes of a family are the ones timed).
+        self._recorded_by_signature: collections.Counter[InputSignature] = collections.Counter()
         self._slot: ForwardSlot | None = None
         self._original: Callable[..., Any] | None = None
         self._router: _ForwardRouter | None = None
@@ -203,9 +222,16 @@ class Target:
                         slot.write(self._original)
                         break
         self._move(TargetState.DETACHED)
-        self._routes.clear()
+        self._clear_routes()
         self.samples.clear()
         self.sample_bytes = 0
+
+    def _clear_routes(self) -> None:
+        """Drop every route, and with them what the built backends hold (sessions, compiled graphs)."""
+        self._routes = {}
+        self._families = {}
+        self._rejected.clear()
+        self._recorded_by_signature.clear()
 
     @property
     def original_forward(self) -> Callable[..., Any]:
@@ -234,7 +260,7 @@ class Target:
     def pin_eager(self, reason: str) -> None:
         """Keep this target eager for good (it cannot be tuned where it stands); `reason` is reported."""
         self._pinned = reason
-        self._routes.clear()
+        self._clear_routes()
         self.samples.clear()
         self.sample_bytes = 0
         self._move(TargetState.EAGER, reason)
@@ -256,8 +282,16 @@ class Target:
         # (`Backend.build`), so other threads never wait for a tuning.
         if state in (TargetState.TUNING, TargetState.DETACHED) or self._pinned or self._context.bypassed():
             return self.original_forward(*args, **kwargs)
+        observer = self._context.on_call
+        if observer is not None:
+            observer(self.name)
+            state = self._state  # the observer may have armed this target
         signature = signature_of(args, kwargs)
         route, change = self._lookup(signature)
+        if route is None and self._families:  # a new shape (or state) that a polymorphic build may cover
+            checked = self._check_new_shape(signature, args, kwargs)
+            if checked is not _NOT_COVERED:
+                return checked
         if route is None:
             with self._lock:
                 if change is not None:
@@ -285,6 +319,49 @@ class Target:
             return True
         finally:
             _TUNING.release()
+
+    def _check_new_shape(self, signature: InputSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call of a shape that no route of its own serves, covered by a polymorphic route of its family: run
+        eager, run the build on the same inputs, compare. The user gets eager's output; from then on the shape is
+        served by the build (or, if it disagreed, runs eager for good). Returns `_NOT_COVERED` when no route
+        covers the call (it is then recorded, as any unserved call)."""
+        routes = self._families.get(signature.family, ())
+        route = next(
+            (
+                r
+                for r in reversed(routes)  # newest first: the latest module state
+                if (signature, id(r)) not in self._rejected and r.covers(signature) and r.holds() is None
+            ),
+            None,
+        )
+        built = route.built if route is not None else None
+        if route is None or built is None:
+            return _NOT_COVERED
+        with Stopwatch() as watch:
+            output = self.original_forward(*args, **kwargs)
+            fell_back = built.fell_back() if built.fell_back is not None else 0
+            try:
+                check = compare_outputs(output, built.fn(*args, **kwargs), self._context.config.tolerance)
+                failure = None if check.ok else f"wrong output: {check.reason}"
+                if failure is None and built.fell_back is not None and built.fell_back() > fell_back:
+                    failure = "it ran eager at this shape (e.g. Dynamo's recompile limit)"
+            except Exception as error:  # a build that fails on a shape never serves it
+                failure = f"raised: {summarize(error)}"
+        with self._lock:
+            report = route.report
+            report.shape_checks += 1
+            report.shape_check_seconds += watch.seconds
+            if failure is not None:
+                report.shapes_rejected.append(f"{signature.short()}: {failure}")
+                if len(self._rejected) >= _REJECTED_KEPT:
+                    self._rejected.clear()
+                self._rejected.add((signature, id(route)))
+                logger.info("%s: %s disagreed at a new shape %s: %s", self.name, report.chosen, signature, failure)
+            elif route not in self._routes.get(signature, ()):
+                report.shapes += 1
+                self._routes = {**self._routes, signature: [*self._routes.get(signature, ()), route]}  # copy on write
+        self._count("eager")
+        return output
 
     def _lookup(self, signature: InputSignature) -> tuple[_Route | None, str | None]:
         """The first route of `signature` whose guard holds; else (None, what changed, if it has routes)."""
@@ -325,7 +402,8 @@ class Target:
             self.calls_served[backend] = self.calls_served.get(backend, 0) + 1
 
     def _route_count(self) -> int:
-        return sum(len(routes) for routes in self._routes.values())
+        """Routes built by tuning (a polymorphic route that serves many shapes counts once)."""
+        return len({id(route) for routes in self._routes.values() for route in routes})
 
     def _changed(self, change: str) -> None:
         """A guard failed: the module changed since the signature's routes were built. Re-tune later, if allowed."""
@@ -348,10 +426,11 @@ class Target:
         config = self._context.config
         self.calls_recorded += 1
         try:
-            known = self.samples.keys() | self._routes.keys()
-            if signature not in known and len(known) >= config.max_signatures:
+            known = signature in self.samples or signature in self._routes
+            if not known and len(self.samples) + self._route_count() >= config.max_signatures:
                 self.signatures_over_limit += 1
                 return
+            self._recorded_by_signature[signature] += 1
             kept = self.samples.get(signature, [])
             if len(kept) < config.max_samples_per_signature:
                 sample = Sample.capture(args, kwargs)
@@ -392,9 +471,10 @@ class Target:
         interrupted = None
         try:
             with Stopwatch() as watch:
-                for signature in pending:
-                    self._decide(signature, self.samples[signature])
-                    del self.samples[signature]  # released once decided; kept if interrupted
+                for group, dynamic in self._groups(pending):
+                    self._decide(group, {signature: self.samples[signature] for signature in group}, dynamic)
+                    for signature in group:
+                        del self.samples[signature]  # released once decided; kept if interrupted
             self.tuning_seconds += watch.seconds
         except BaseException:  # KeyboardInterrupt / SystemExit: _decide contains everything else
             interrupted = "tuning was interrupted; call tune() to try again"
@@ -404,43 +484,70 @@ class Target:
             self._settle(interrupted)
             self._context.progress.finished()
 
-    def _decide(self, signature: InputSignature, samples: list[Sample]) -> None:
-        """Add a route for `signature` in the current module state (or an eager one, with the reason)."""
+    def _groups(self, pending: list[InputSignature]) -> list[tuple[list[InputSignature], bool]]:
+        """The signatures to tune together, and whether as one shape family (config.shapes == "family"; calls
+        that hold objects, whose sizes the signature cannot see, are tuned one signature at a time). Each group
+        is ordered hottest first."""
+        if self._context.config.shapes == "exact":
+            return [([signature], False) for signature in pending]
+        groups: dict[Any, list[InputSignature]] = {}
+        for signature in pending:
+            groups.setdefault(signature if signature.has_opaque_leaves else signature.family, []).append(signature)
+        hottest = self._recorded_by_signature
+        return [
+            (sorted(group, key=lambda sig: -hottest[sig]), not group[0].has_opaque_leaves) for group in groups.values()
+        ]
+
+    def _decide(
+        self, signatures: list[InputSignature], samples: dict[InputSignature, list[Sample]], dynamic: bool
+    ) -> None:
+        """Add a route for `signatures` (one signature, or the shapes of one family when `dynamic`) in the current
+        module state (or an eager one, with the reason)."""
         context = self._context
+        described = describe_family(signatures)
         try:
             job = TuningJob(
-                self.module, self.original_forward, signature, samples, context.config, self.unavailable_reason
+                self.module, self.original_forward, samples, context.config, self.unavailable_reason, dynamic=dynamic
             )
         except NoEvidence as error:
             self._no_evidence = str(error)  # nothing decided: record again, tune when armed again
-            logger.info("%s [%s]: %s", self.name, signature.short(), error)
+            logger.info("%s [%s]: %s", self.name, described, error)
             return
         except Exception as error:
             reason = f"the eager forward raised when replayed for tuning: {summarize(error)}"
             logger.warning("%s: %s", self.name, reason, exc_info=True)
-            report = SignatureReport(signature.short(), len(samples), reason=reason, details=details(error))
-            self._add_route(signature, _Route(None, None, report, ModuleGuard(self.module)))
+            count = sum(len(kept) for kept in samples.values())
+            report = SignatureReport(described, count, reason=reason, details=details(error))
+            self._add_route(signatures, _Route(None, None, report, ModuleGuard(self.module)))
             return
         try:
-            decision = self._shared_or_new(job, signature)
+            decision = self._shared_or_new(job, signatures)
         except Exception as error:
             reason = f"tuning failed: {summarize(error)}"
             logger.warning("%s: %s", self.name, reason, exc_info=True)
             decision = job.keep_eager(reason)
             decision.report.details = details(error)
-        logger.info("%s [%s]: %s", self.name, signature.short(), decision.report.chosen)
+        logger.info("%s [%s]: %s", self.name, described, decision.report.chosen)
         # An eager decision holds for this module state too: a new state (FreeU off again) is tuned afresh.
         guard = decision.guard if decision.built is not None else ModuleGuard(self.module)
-        self._add_route(signature, _Route(decision.backend, decision.built, decision.report, guard))
+        decision.report.shapes = len(signatures)
+        route = _Route(decision.backend, decision.built, decision.report, guard, reference=job.signature)
+        self._add_route(signatures, route)
 
-    def _add_route(self, signature: InputSignature, route: _Route) -> None:
+    def _add_route(self, signatures: list[InputSignature], route: _Route) -> None:
         self._no_evidence = None
         # Copy on write: other threads read the routes without the lock.
-        self._routes[signature] = [*self._routes.get(signature, ()), route]
+        routes = dict(self._routes)
+        for signature in signatures:
+            routes[signature] = [*routes.get(signature, ()), route]
+        self._routes = routes
+        if route.built is not None and route.built.dynamic_dims is not None:
+            family = signatures[0].family
+            self._families = {**self._families, family: [*self._families.get(family, ()), route]}
 
-    def _shared_or_new(self, job: TuningJob, signature: InputSignature) -> Decision:
+    def _shared_or_new(self, job: TuningJob, signatures: list[InputSignature]) -> Decision:
         context = self._context
-        key = _sibling_key(self.module, signature) if context.config.share_identical else None
+        key = _sibling_key(self.module, signatures) if context.config.share_identical else None
         shared = context.decisions.get(key) if key is not None else None
         # A sibling's decision, not this target's own: its own earlier one was made in another module state.
         if shared is not None and shared[0] != self.name:
@@ -503,7 +610,7 @@ class Target:
             state=str(self._state),
             reason=self._reason or self._limit_reason(),
             # The latest decision per signature (routes built for earlier module states still serve those).
-            signatures=[routes[-1].report for routes in self._routes.values() if routes],
+            signatures=list({id(r.report): r.report for r in (rs[-1] for rs in self._routes.values() if rs)}.values()),
             tuning_seconds=self.tuning_seconds,
             calls=dict(self.calls_served),
             changes=list(self.changes),
@@ -515,9 +622,9 @@ class Target:
         return f"Target({self.name!r}, {type(self.module).__name__}, state={self._state})"
 
 
-def _sibling_key(module: torch.nn.Module, signature: InputSignature) -> tuple[Any, ...]:
+def _sibling_key(module: torch.nn.Module, signatures: list[InputSignature]) -> tuple[Any, ...]:
     """Modules with equal keys are interchangeable for a backend choice."""
     tensors = tuple(
         (name, tuple(t.shape), t.dtype, t.device) for name, t in [*module.named_parameters(), *module.named_buffers()]
     )
-    return type(module), tensors, signature
+    return type(module), tensors, frozenset(signatures)

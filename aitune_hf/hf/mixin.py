@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import copyreg
+import functools
 import logging
 import statistics
 import threading
@@ -55,6 +56,8 @@ class _AITuneState:
     rearm_at: int | None = None  # arm again after this many whole calls (the blocks of "auto" mode)
     lock: threading.Lock = field(default_factory=threading.Lock)  # whole calls may come from many threads
     inside: threading.local = field(default_factory=threading.local)  # `.depth`: this thread is in a whole call
+    marker: str | None = None  # with no whole call seen: the target whose calls count as the object's calls
+    outside_calls: int = 0  # calls of `marker` outside any whole call
 
     @property
     def in_whole_call(self) -> bool:
@@ -163,7 +166,9 @@ class AITuneMixin:
         except BaseException:
             registration.detach()  # all or nothing: no target stays patched when enabling fails
             raise
-        self.__dict__["_aitune_state"] = _AITuneState(registration, options, found, tune_after_calls, auto=auto)
+        state = _AITuneState(registration, options, found, tune_after_calls, auto=auto)
+        self.__dict__["_aitune_state"] = state
+        registration.observe_calls(functools.partial(_outside_call, state, type(self).__name__))
         logger.info("aitune enabled on %s: %d target(s)", type(self).__name__, len(found))
         return registration
 
@@ -234,17 +239,18 @@ class AITuneMixin:
             state.calls += 1
             calls = state.calls
         if not state.measured:
-            if untouched:
+            # Warm calls only: the first call (lazy initialisation, cold caches) is never compared with tuned ones.
+            if untouched and calls > 1:
                 state.eager_seconds.append(seconds)
-            elif tuned_before and registration.all_tuned:
+            elif tuned_before and registration.all_tuned and not untouched:
                 state.tuned_seconds.append(seconds)
             if state.eager_seconds and state.tuned_seconds:
                 n_eager, n_tuned = len(state.eager_seconds), len(state.tuned_seconds)
-                method = f"whole calls: {n_eager} before tuning (recording), {n_tuned} after; medians"
+                method = f"whole calls: {n_eager} warm before tuning (recording), {n_tuned} after; medians"
                 _record_end_to_end(state, state.eager_seconds, state.tuned_seconds, method)
         if state.auto and state.rearm_at is None and registration.all_tuned:
             self._aitune_descend(state)
-        if calls in (state.tune_after_calls, state.rearm_at):
+        if calls in (state.tune_after_calls, state.rearm_at) or _new_shapes_waiting(state):
             registration.tune()
         return output
 
@@ -428,6 +434,63 @@ def _apply_weight_motion(registration: Registration, found: list[FoundTarget]) -
             registration.targets[target.name].restrict(
                 lambda backend: not backend.bakes_weights, f"{around}; a backend that bakes weights would go stale"
             )
+
+
+def _new_shapes_waiting(state: _AITuneState) -> bool:
+    """True when tuning has run and a decided target has recorded calls that no route serves (a new shape family,
+    or a shape its build does not cover): with automatic arming, the next call tunes them."""
+    if state.tune_after_calls is None:  # manual: tune() arms
+        return False
+    return any(target.decided and target.samples for target in state.registration.targets.values())
+
+
+#: With tune_after_calls=None, calls after which a warning says that nothing tunes until tune() is called.
+_MANUAL_WARNING_CALLS = 8
+
+
+def _outside_call(state: _AITuneState, owner: str, target: str) -> None:
+    """Arming when no whole call is seen: the object's forwards are driven from elsewhere (sentence-transformers
+    calls `model.forward(...)` itself; a user's own denoising loop calls the UNet).
+
+    The rule: until the object sees a whole call, the first target called outside one marks the object's calls.
+    Its call number `tune_after_calls + 1` arms every target before it runs, so tuning happens inside that call,
+    as it would at the start of the whole call after `tune_after_calls` whole calls; each later call of it arms
+    again when calls of new shapes are waiting (as each whole call does). Once the object has seen a whole call,
+    whole calls arm and this observer removes itself. With `tune_after_calls=None`, one warning after
+    `_MANUAL_WARNING_CALLS` calls says that nothing tunes until `aitune.tune()` is called."""
+    registration = state.registration
+    if state.in_whole_call or registration.bypassed:
+        return
+    with state.lock:
+        if state.calls:
+            registration.observe_calls(None)
+            return
+        if state.marker is None:
+            state.marker = target
+        if target != state.marker:
+            return
+        state.outside_calls += 1
+        count = state.outside_calls
+    if count > (state.tune_after_calls or 0) + 1 and _new_shapes_waiting(state):
+        registration.tune()
+    elif state.tune_after_calls is None:
+        if count == _MANUAL_WARNING_CALLS:
+            registration.observe_calls(None)
+            if not any(t.armed or t.decided for t in registration.targets.values()):
+                logger.warning(
+                    "aitune_hf on %s: %d calls recorded and nothing tunes: it was enabled with "
+                    "tune_after_calls=None, so tuning waits for .aitune.tune()",
+                    owner,
+                    count,
+                )
+    elif count == state.tune_after_calls + 1:
+        logger.info(
+            "aitune_hf on %s: no whole call seen (its forwards are called directly); arming at call %d of %s",
+            owner,
+            count,
+            target,
+        )
+        registration.tune()
 
 
 def _record_end_to_end(state: _AITuneState, eager: list[float], tuned: list[float], method: str) -> dict[str, Any]:

@@ -35,9 +35,13 @@ class FoundTarget:
 
 def components_of(obj: Any) -> dict[str, nn.Module]:
     """Name -> module of each neural component: a Diffusers pipeline's components, a Transformers pipeline's
-    model (named "model"), or a bare model (named "")."""
+    model (named "model"), a bare model (named ""), or, for any other `nn.Module` that holds Hugging Face models
+    (a sentence-transformers `SentenceTransformer`, a user's wrapper), the outermost models inside it, named by
+    their path ("0.auto_model")."""
     if isinstance(obj, nn.Module):
-        return {"": obj}
+        if is_hf_model(obj):
+            return {"": obj}
+        return hf_models_inside(obj) or {"": obj}
     components = getattr(obj, "components", None)
     if isinstance(components, Mapping):  # a Diffusers pipeline
         return {name: c for name, c in components.items() if isinstance(c, nn.Module)}
@@ -48,6 +52,25 @@ def components_of(obj: Any) -> dict[str, nn.Module]:
         f"cannot find components in a {type(obj).__name__}: pass a Diffusers pipeline, a Transformers pipeline "
         f"or model, or an nn.Module"
     )
+
+
+def is_hf_model(module: nn.Module) -> bool:
+    """True for a Transformers `PreTrainedModel` or a Diffusers `ModelMixin` (by class hierarchy: neither library
+    is imported here)."""
+    return any(
+        cls.__name__ in ("PreTrainedModel", "ModelMixin")
+        and cls.__module__.split(".")[0] in ("transformers", "diffusers")
+        for cls in type(module).__mro__
+    )
+
+
+def hf_models_inside(wrapper: nn.Module) -> dict[str, nn.Module]:
+    """Path -> module of the outermost Hugging Face models inside `wrapper`, in module order."""
+    found: dict[str, nn.Module] = {}
+    for path, module in wrapper.named_modules():
+        if path and is_hf_model(module) and not any(path.startswith(f"{outer}.") for outer in found):
+            found[path] = module
+    return found
 
 
 def _join(prefix: str, path: str) -> str:

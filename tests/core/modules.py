@@ -149,3 +149,21 @@ class FailsWhenServingBackend(Backend):
             return forward(*args, **kwargs)
 
         return BuiltBackend(fn=fn)
+
+
+class WrongAtBatchThree(Backend):
+    """A polymorphic backend that claims every size but is wrong at batch 3 (a shape it was never built on)."""
+
+    name = "wrong_at_batch_three"
+    polymorphic = True
+
+    def build(
+        self, module: nn.Module, forward: Callable[..., Any], samples: Sequence[Call], dynamic: bool = False
+    ) -> BuiltBackend:
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            return out + 1.0 if out.shape[0] == 3 else out
+
+        tensors = [leaf for leaf in samples[0][0] if isinstance(leaf, torch.Tensor)]
+        dims = tuple(frozenset(range(t.dim())) for t in tensors) if dynamic else None
+        return BuiltBackend(fn=fn, dynamic_dims=dims)

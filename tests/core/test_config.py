@@ -124,7 +124,7 @@ def test_messages_say_what_is_valid() -> None:
 def test_unknown_keys_and_wrong_config_types() -> None:
     with pytest.raises(ConfigError, match=r"unknown TuningConfig fields 'backend', 'repeat'; valid: backends, "):
         TuningConfig.coerce({"backend": ["inductor"], "repeat": 3})
-    with pytest.raises(ConfigError, match="max_routes, retune"):
+    with pytest.raises(ConfigError, match="max_routes, shapes, retune"):
         TuningConfig.coerce({"retunes": False})
     with pytest.raises(InputTypeError, match="config must be a TuningConfig, a dict of its fields or None, got int"):
         TuningConfig.coerce(42)  # type: ignore[arg-type]

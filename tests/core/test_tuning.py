@@ -20,6 +20,7 @@ from tests.core.modules import (
     NaNBackend,
     PytreeBlock,
     RaisingBackend,
+    WrongAtBatchThree,
     WrongStructureBackend,
     WrongValuesBackend,
     pytree_call,
@@ -184,10 +185,10 @@ def test_after_calls_trigger_tunes_without_tune() -> None:
         assert target.state is TargetState.TUNED
 
 
-def test_a_new_signature_after_tuning_runs_eager_and_is_covered_by_the_next_tune() -> None:
+def test_exact_shapes_a_new_signature_after_tuning_runs_eager_and_is_covered_by_the_next_tune() -> None:
     block = ManyOpsBlock().eval()
     small, large = torch.randn(1, 16), torch.randn(3, 16)
-    reg, _, _ = _tune_once(block, _config(backends=["onnxruntime"], min_speedup=0), small)
+    reg, _, _ = _tune_once(block, _config(backends=["onnxruntime"], min_speedup=0, shapes="exact"), small)
     target = reg.targets["block"]
     with torch.no_grad():
         expected = ManyOpsBlock.forward(block, large)
@@ -199,6 +200,53 @@ def test_a_new_signature_after_tuning_runs_eager_and_is_covered_by_the_next_tune
     assert len(reg.reports["block"].signatures) == 2
     assert target.calls_served["onnxruntime"] == 2
     reg.detach()
+
+
+def test_a_shape_family_is_one_polymorphic_build_checked_once_per_new_shape() -> None:
+    block = ManyOpsBlock().eval()
+    recorded = [torch.randn(batch, 16) for batch in (2, 5, 5)]
+    with torch.no_grad(), register({"block": block}, _config(backends=["onnxruntime"], min_speedup=0)) as reg:
+        target = reg.targets["block"]
+        for x in recorded:
+            block(x)
+        reg.tune()
+        block(recorded[0])
+        report = reg.reports["block"].signatures
+        assert len(report) == 1 and report[0].chosen == "onnxruntime"
+        assert report[0].signature == "float32[2..5x16]@cpu (2 shapes)"
+        assert report[0].samples == 4  # the tuning call is recorded too
+        assert target.report().routes == 1
+        new = torch.randn(9, 16)
+        expected = ManyOpsBlock.forward(block, new)
+        before = dict(target.calls_served)
+        torch.testing.assert_close(block(new), expected, rtol=0, atol=0)  # the check call returns eager's output
+        assert target.calls_served["eager"] == before.get("eager", 0) + 1
+        torch.testing.assert_close(block(new), expected, atol=1e-5, rtol=1e-5)  # then the build serves it
+        assert target.calls_served["onnxruntime"] == before["onnxruntime"] + 1
+        assert not target.samples  # served, never recorded
+        signature = reg.reports["block"].signatures[0]
+        assert signature.shapes == 3 and signature.shape_checks == 1 and signature.shape_check_seconds > 0
+        assert "serves 3 shapes (1 new shape(s) checked once" in str(reg.report())
+        other_width = torch.randn(4, 8)  # not the family's dims: recorded, never offered to the build
+        with pytest.raises(RuntimeError):
+            block(other_width)
+        assert target.report().routes == 1
+
+
+def test_a_new_shape_that_the_build_gets_wrong_runs_eager_for_good() -> None:
+    block = MLPBlock().eval()
+    with torch.no_grad(), register({"block": block}, _config(backends=[WrongAtBatchThree()], min_speedup=0)) as reg:
+        target = reg.targets["block"]
+        block(torch.randn(2, 32))
+        reg.tune()
+        block(torch.randn(2, 32))
+        x = torch.randn(3, 32)
+        for _ in range(3):
+            torch.testing.assert_close(block(x), MLPBlock.forward(block, x), rtol=0, atol=0)
+        signature = reg.reports["block"].signatures[0]
+        assert signature.shape_checks == 1 and "wrong output" in signature.shapes_rejected[0]
+        assert len(target.samples) == 1  # recorded for a later tune()
+        assert "1 new shape(s) run eager, their check failed" in str(reg.report())
 
 
 def test_changed_weights_send_a_baking_backend_back_to_eager_then_it_retunes() -> None:

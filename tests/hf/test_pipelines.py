@@ -10,7 +10,7 @@ from diffusers import DiffusionPipeline, StableDiffusionPipeline, UNet2DConditio
 
 from aitune_hf import AITunePipeline, TargetState, enable_aitune
 from aitune_hf.hf.mixin import AITuneMixin
-from tests.hf.conftest import QUICK, call_kwargs, run, unpatched
+from tests.hf.conftest import QUICK, call_kwargs, generator, run, unpatched
 
 ORT = {"backends": ["onnxruntime"], "min_speedup": 0, **QUICK}
 DENOISER = {"sd": "unet.", "flux": "transformer.", "pixart": "transformer."}
@@ -191,3 +191,28 @@ def test_auto_serves_the_whole_unet_from_one_onnxruntime_session(pipeline_folder
         np.testing.assert_allclose(out, expected, atol=2e-3)
     pipe.disable_aitune()
     assert unpatched(pipe.unet.modules())
+
+
+def test_a_second_resolution_is_served_by_the_polymorphic_build_after_one_check(tuned) -> None:
+    """Tuned at 64x64: a 96x64 call checks each block's build once against eager (and returns eager's image),
+    the next 96x64 call is served by the same builds, equal to eager at that resolution."""
+    if tuned["family"] != "sd":
+        pytest.skip("one family shows it (the SD UNet and VAE stages, conv and attention)")
+    pipe, registration = tuned["pipe"], tuned["registration"]
+    kwargs = {**call_kwargs("sd"), "height": 96, "width": 64}
+    with registration.bypass():
+        expected = pipe(**kwargs, generator=generator()).images
+    routes = {name: t.report().routes for name, t in registration.targets.items()}
+    checking = pipe(**kwargs, generator=generator()).images
+    np.testing.assert_array_equal(checking, expected)  # the check calls return eager's outputs
+    before = {name: dict(t.calls_served) for name, t in registration.targets.items()}
+    served = pipe(**kwargs, generator=generator()).images
+    np.testing.assert_allclose(served, expected, atol=2e-3)
+    for name, target in registration.targets.items():
+        if target.state is not TargetState.TUNED:
+            continue
+        report = target.report()
+        assert report.routes == routes[name]  # no new build: the polymorphic one serves the new shape
+        assert sum(s.shape_checks for s in report.signatures) >= 1, name
+        calls = {k: v - before[name].get(k, 0) for k, v in target.calls_served.items()}
+        assert calls.get("eager", 0) == 0 and calls["onnxruntime"] > 0, (name, calls)

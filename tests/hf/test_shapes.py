@@ -1,0 +1,132 @@
+"""Every shape: real traffic (sequence lengths, batch sizes) served by one polymorphic build per block, with a
+real client that calls `forward` itself (sentence-transformers) and real all-MiniLM-L6-v2 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aitune_hf import AITuneModel, TargetState, enable_aitune
+from aitune_hf.testing import minilm_path
+from tests.hf.conftest import QUICK
+
+sentence_transformers = pytest.importorskip("sentence_transformers")
+pytest.importorskip("onnxruntime")
+
+ORT = {"backends": ["onnxruntime"], "min_speedup": 0, **QUICK}
+WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in tall green trees".split()  # noqa: SIM905
+
+
+def corpus(count: int, seed: int = 0, longest: int = 120) -> list[str]:
+    """`count` sentences of varied lengths (about 4 to `longest` words), deterministic."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, longest, (count,), generator=g).tolist()
+    return [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(n)) for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def st_path() -> str:
+    return str(minilm_path())
+
+
+def _served(registration) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for target in registration.targets.values():
+        for backend, calls in target.calls_served.items():
+            totals[backend] = totals.get(backend, 0) + calls
+    return totals
+
+
+def _checks(registration) -> int:
+    return sum(s.shape_checks for t in registration.targets.values() for s in t.report().signatures)
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min())
+
+
+def test_sentence_transformer_enabled_on_the_wrapper_serves_other_batches_and_lengths(st_path) -> None:
+    model = sentence_transformers.SentenceTransformer(st_path, device="cpu")
+    texts, queries = corpus(40), corpus(12, seed=1, longest=60)
+    eager = model.encode(texts, batch_size=16, convert_to_tensor=True)
+    eager_queries = [model.encode(q, convert_to_tensor=True) for q in queries]
+    registration = enable_aitune(model, **ORT)
+    assert list(registration.targets) == [f"0.model.encoder.layer.{i}" for i in range(6)]  # found inside the wrapper
+    model.encode(texts, batch_size=16)  # encode() is a whole call: it records
+    tuned = model.encode(texts, batch_size=16, convert_to_tensor=True)  # tunes at its start, then serves
+    assert all(t.state is TargetState.TUNED for t in registration.targets.values()), registration.report()
+    assert _cosine(tuned, eager) >= 0.99999
+    for report in registration.reports.values():  # one build per layer serves the encode's three batch shapes
+        assert report.routes == 1 and report.signatures[0].shapes == 3
+
+    # Later traffic at other batch sizes and lengths: each new shape is checked once, then served. A single
+    # sentence has no padding, so BERT gets no attention mask: a new shape family, recorded by its first call and
+    # tuned at the start of the next encode().
+    before, checks = _served(registration), _checks(registration)
+    got = model.encode(texts, batch_size=8, convert_to_tensor=True)
+    got_queries = [model.encode(q, convert_to_tensor=True) for q in queries]
+    assert _cosine(got, eager) >= 0.99999
+    assert min(_cosine(a, b) for a, b in zip(got_queries, eager_queries, strict=True)) >= 0.99999
+    new_checks = _checks(registration) - checks
+    eager_calls = _served(registration).get("eager", 0) - before.get("eager", 0)
+    layers = len(registration.targets)
+    assert new_checks > 0 and eager_calls == new_checks + layers  # the checks, and the query family's first call
+    for report in registration.reports.values():
+        assert report.routes == 2  # one build per family: padded batches with a mask, single sentences without
+    before = _served(registration)
+    again = [model.encode(q, convert_to_tensor=True) for q in queries]
+    model.encode(texts, batch_size=8)
+    assert _served(registration).get("eager", 0) == before.get("eager", 0)  # every call served now
+    assert min(_cosine(a, b) for a, b in zip(again, eager_queries, strict=True)) >= 0.99999
+    model.disable_aitune()
+
+
+def test_forward_called_directly_arms_by_the_targets_own_calls(st_path, caplog) -> None:
+    """Enabled on the model inside (sentence-transformers calls its forward itself): no whole call is ever seen,
+    so the first layer's calls count, and the second one arms."""
+    model = sentence_transformers.SentenceTransformer(st_path, device="cpu")
+    texts = corpus(24, seed=2)
+    eager = model.encode(texts, batch_size=8, convert_to_tensor=True)
+    registration = enable_aitune(model[0].auto_model, **ORT)
+    with caplog.at_level("INFO", logger="aitune_hf.hf.mixin"):
+        first = model.encode(texts, batch_size=8, convert_to_tensor=True)  # 3 forwards: the 2nd tunes
+    assert "no whole call seen" in caplog.text
+    assert registration.all_tuned and all(t.state is TargetState.TUNED for t in registration.targets.values())
+    second = model.encode(texts, batch_size=8, convert_to_tensor=True)
+    assert _cosine(first, eager) >= 0.99999 and _cosine(second, eager) >= 0.99999
+    assert _served(registration).get("onnxruntime", 0) > 0
+    model[0].auto_model.disable_aitune()
+
+
+def test_manual_trigger_without_whole_calls_warns_once(st_path, caplog) -> None:
+    model = sentence_transformers.SentenceTransformer(st_path, device="cpu")
+    enable_aitune(model[0].auto_model, tune_after_calls=None, **ORT)
+    with caplog.at_level("WARNING", logger="aitune_hf.hf.mixin"):
+        for _ in range(10):
+            model.encode(["a short sentence"])
+    assert caplog.text.count("nothing tunes") == 1 and ".aitune.tune()" in caplog.text
+    model[0].auto_model.disable_aitune()
+
+
+def test_a_transformers_model_fed_thirty_sequence_lengths(st_path) -> None:
+    """Tuned on one length, then 30 distinct lengths: each checked once, then served; outputs equal eager."""
+    model = AITuneModel.from_pretrained(st_path).eval()
+    g = torch.Generator().manual_seed(0)
+    lengths = list(range(5, 125, 4))
+    assert len(set(lengths)) == 30
+    calls = [torch.randint(1000, 20000, (2, n), generator=g) for n in lengths]
+    with torch.inference_mode():
+        expected = [model(input_ids=ids).last_hidden_state for ids in calls]
+        registration = model.enable_aitune(**ORT)
+        model(input_ids=calls[0])
+        model(input_ids=calls[0])  # tunes
+        for ids, want in zip(calls, expected, strict=True):  # the first pass checks each new length once
+            torch.testing.assert_close(model(input_ids=ids).last_hidden_state, want, atol=1e-4, rtol=1e-4)
+        before = _served(registration)
+        for ids, want in zip(calls, expected, strict=True):  # the second pass is served throughout
+            torch.testing.assert_close(model(input_ids=ids).last_hidden_state, want, atol=1e-4, rtol=1e-4)
+    served = {k: v - before.get(k, 0) for k, v in _served(registration).items()}
+    assert served.get("eager", 0) == 0 and served["onnxruntime"] == 30 * len(registration.targets)
+    for report in registration.reports.values():
+        assert report.routes == 1 and report.signatures[0].shapes == 30 and report.signatures[0].shape_checks == 29
+    model.disable_aitune()
