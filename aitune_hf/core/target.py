@@ -92,6 +92,7 @@ class _Route:
     report: SignatureReport
     guard: ModuleGuard  # the module state the decision was made in
     reference: InputSignature | None = None  # a shape it was built on, for `covers`
+    family_wide: bool = False  # an eager decision for a whole shape family: it covers every shape of it
 
     def holds(self) -> str | None:
         """None when this route may serve now, else what changed."""
@@ -99,6 +100,8 @@ class _Route:
 
     def covers(self, signature: InputSignature) -> bool:
         """True when the built backend takes `signature`'s shapes (a polymorphic build, sizes in its range)."""
+        if self.family_wide:
+            return True
         built = self.built
         if built is None or built.dynamic_dims is None or self.reference is None:
             return False
@@ -334,9 +337,15 @@ class Target:
             ),
             None,
         )
-        built = route.built if route is not None else None
-        if route is None or built is None:
+        if route is None:
             return _NOT_COVERED
+        built = route.built
+        if built is None:  # eager was decided for the whole family: so for this shape too, with no check
+            with self._lock:
+                if route not in self._routes.get(signature, ()):
+                    self._routes = {**self._routes, signature: [*self._routes.get(signature, ()), route]}
+            self._count("eager")
+            return self.original_forward(*args, **kwargs)
         with Stopwatch() as watch:
             output = self.original_forward(*args, **kwargs)
             fell_back = built.fell_back() if built.fell_back is not None else 0
@@ -531,7 +540,8 @@ class Target:
         # An eager decision holds for this module state too: a new state (FreeU off again) is tuned afresh.
         guard = decision.guard if decision.built is not None else ModuleGuard(self.module)
         decision.report.shapes = len(signatures)
-        route = _Route(decision.backend, decision.built, decision.report, guard, reference=job.signature)
+        family_wide = dynamic and decision.built is None
+        route = _Route(decision.backend, decision.built, decision.report, guard, job.signature, family_wide)
         self._add_route(signatures, route)
 
     def _add_route(self, signatures: list[InputSignature], route: _Route) -> None:
@@ -541,7 +551,7 @@ class Target:
         for signature in signatures:
             routes[signature] = [*routes.get(signature, ()), route]
         self._routes = routes
-        if route.built is not None and route.built.dynamic_dims is not None:
+        if route.family_wide or (route.built is not None and route.built.dynamic_dims is not None):
             family = signatures[0].family
             self._families = {**self._families, family: [*self._families.get(family, ()), route]}
 

@@ -233,6 +233,20 @@ def test_a_shape_family_is_one_polymorphic_build_checked_once_per_new_shape() ->
         assert target.report().routes == 1
 
 
+def test_eager_kept_for_a_family_holds_for_its_new_shapes_without_recording_them() -> None:
+    block = ManyOpsBlock().eval()
+    with torch.no_grad(), register({"block": block}, _config(backends=["onnxruntime"], min_speedup=1e6)) as reg:
+        target = reg.targets["block"]
+        block(torch.randn(2, 16))
+        reg.tune()
+        block(torch.randn(2, 16))
+        assert target.state is TargetState.EAGER and "nothing was faster" in target.reason
+        x = torch.randn(7, 16)
+        torch.testing.assert_close(block(x), ManyOpsBlock.forward(block, x), rtol=0, atol=0)
+        assert not target.samples and target.report().routes == 1  # no new tuning waits for it
+        assert reg.reports["block"].signatures[0].shape_checks == 0
+
+
 def test_a_new_shape_that_the_build_gets_wrong_runs_eager_for_good() -> None:
     block = MLPBlock().eval()
     with torch.no_grad(), register({"block": block}, _config(backends=[WrongAtBatchThree()], min_speedup=0)) as reg:

@@ -130,3 +130,56 @@ def test_a_transformers_model_fed_thirty_sequence_lengths(st_path) -> None:
     for report in registration.reports.values():
         assert report.routes == 1 and report.signatures[0].shapes == 30 and report.signatures[0].shape_checks == 29
     model.disable_aitune()
+
+
+RSS_SCRIPT = r"""
+import ctypes, gc, json, sys
+from pathlib import Path
+import torch
+from aitune_hf import AITuneModel
+
+def rss():
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
+
+torch.set_num_threads(1)
+model = AITuneModel.from_pretrained(sys.argv[1]).eval()
+g = torch.Generator().manual_seed(0)
+shapes = [(4, 16), (4, 40), (8, 90), (1, 30), (16, 120)]
+calls = [torch.randint(1000, 20000, shape, generator=g) for shape in shapes]
+
+def cycle():
+    with torch.inference_mode():
+        model.enable_aitune(backends=["onnxruntime"], progress=False, warmup=1, repeats=2, min_speedup=0)
+        for ids in calls[:1] + calls + calls:
+            model(input_ids=ids)
+        held = rss()
+        assert model.aitune.state_counts == {"tuned": 6}, model.aitune.report()
+        model.disable_aitune()
+    return held
+
+cycle()  # imports the exporter, allocates ONNX Runtime's shared arena: both stay for the process
+base = rss()
+held = cycle()
+print(json.dumps({"base": base, "held": held, "after": rss()}))
+"""
+
+
+def test_disable_aitune_gives_back_the_memory_tuning_took(st_path, tmp_path) -> None:
+    """RSS (after gc and malloc_trim) in a fresh process: a second enable / tune / serve cycle holds sessions
+    for 6 layers and 5 shapes, and disable_aitune() returns RSS to within 25 MB of where it was."""
+    import json
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/status and glibc's malloc_trim")
+    script = tmp_path / "rss.py"
+    script.write_text(RSS_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), st_path], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rss = json.loads(done.stdout.strip().splitlines()[-1])
+    assert rss["held"] - rss["base"] > 25, rss  # the sessions really took memory: a margin that means something
+    assert rss["after"] - rss["base"] < 25, rss
