@@ -5,7 +5,8 @@
 
 One torch thread (ONNX Runtime gets the same). A corpus of 256 sentences of 6-130 tokens; single-sentence queries.
 
-- **Tuning** (a fresh `SentenceTransformer`, `enable_aitune(model)` on the wrapper as the docs' recipe says):
+- **Tuning** (a fresh `SentenceTransformer`, `enable_aitune(model, backends=["onnxruntime"])` on the wrapper as
+  the docs' recipe says; `--backends onnxruntime,inductor` for the default candidates):
   `encode(corpus[:128], batch_size=32)` twice (records, then tunes at the start of the second call), then eight
   queries of lengths from set A, one by one (the first records the query family, the next tunes it). Tuning
   seconds are the report's; memory is the process's RSS, after `gc` and `malloc_trim`, before enabling, after
@@ -90,6 +91,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--out", type=Path, default=RESULTS / "minilm_traffic.md")
+    parser.add_argument(
+        "--backends", default="onnxruntime", help="aitune's candidates, comma-separated (docs' CPU recipe: onnxruntime)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     rounds = 3 if args.quick else 7
@@ -106,7 +110,7 @@ def main() -> None:
         queries_a, queries_b = queries_with_lengths(tuned, set_a), queries_with_lengths(tuned, set_b)
         before = rss_mb()
         start = time.perf_counter()
-        registration = enable_aitune(tuned)
+        registration = enable_aitune(tuned, backends=args.backends.split(","))
         tuned.encode(texts[:128], batch_size=32)
         tuned.encode(texts[:128], batch_size=32)
         for query in queries_a:
@@ -161,6 +165,8 @@ def main() -> None:
         f"Corpus: {len(texts)} sentences, {lengths[0]}-{lengths[-1]} tokens ({len(lengths)} distinct lengths). "
         f"Queries timed: {len(queries_b)} single sentences of {set_b[0]}-{set_b[-1]} tokens, lengths never seen "
         f"while tuning (tuning saw the corpus' first 128 sentences and queries of {set_a[0]}-{set_a[-1]} tokens).",
+        "",
+        f"aitune: `enable_aitune(model, backends={args.backends.split(',')})` on the `SentenceTransformer`.",
         "",
         "| | eager | aitune | torch.compile(dynamic=True) |",
         "|---|---|---|---|",

@@ -484,6 +484,7 @@ class Target:
                     self._decide(group, {signature: self.samples[signature] for signature in group}, dynamic)
                     for signature in group:
                         del self.samples[signature]  # released once decided; kept if interrupted
+                        self._recorded_by_signature.pop(signature, None)
             self.tuning_seconds += watch.seconds
         except BaseException:  # KeyboardInterrupt / SystemExit: _decide contains everything else
             interrupted = "tuning was interrupted; call tune() to try again"

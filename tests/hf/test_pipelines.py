@@ -80,7 +80,7 @@ def test_per_block_state_is_readable_from_the_pipeline(tuned) -> None:
 
 def test_the_end_to_end_line_compares_warm_eager_calls_with_tuned_ones(pipeline_folders) -> None:
     pipe = _load(pipeline_folders["sd"])
-    registration = pipe.enable_aitune("blocks", tune_after_calls=2, **ORT)
+    registration = pipe.enable_aitune(["unet.mid_block"], tune_after_calls=2, **ORT)
     for _ in range(4):  # cold eager (left out), warm eager (recording), tuning, tuned
         run(pipe, "sd")
     line = str(registration.report()).splitlines()[0]
@@ -215,8 +215,9 @@ def test_a_second_resolution_is_served_by_the_polymorphic_build_after_one_check(
     with registration.bypass():
         expected = pipe(**kwargs, generator=generator()).images
     routes = {name: t.report().routes for name, t in registration.targets.items()}
-    checking = pipe(**kwargs, generator=generator()).images
-    np.testing.assert_array_equal(checking, expected)  # the check calls return eager's outputs
+    checks = {name: sum(s.shape_checks for s in t.report().signatures) for name, t in registration.targets.items()}
+    checking = pipe(**kwargs, generator=generator()).images  # text encoder layers: same shapes, served
+    np.testing.assert_allclose(checking, expected, atol=2e-3)
     before = {name: dict(t.calls_served) for name, t in registration.targets.items()}
     served = pipe(**kwargs, generator=generator()).images
     np.testing.assert_allclose(served, expected, atol=2e-3)
@@ -225,6 +226,7 @@ def test_a_second_resolution_is_served_by_the_polymorphic_build_after_one_check(
             continue
         report = target.report()
         assert report.routes == routes[name]  # no new build: the polymorphic one serves the new shape
-        assert sum(s.shape_checks for s in report.signatures) >= 1, name
+        if name.startswith(("unet.", "vae.")):  # their shapes follow the resolution: each checked once
+            assert sum(s.shape_checks for s in report.signatures) > checks[name], name
         calls = {k: v - before[name].get(k, 0) for k, v in target.calls_served.items()}
         assert calls.get("eager", 0) == 0 and calls["onnxruntime"] > 0, (name, calls)
