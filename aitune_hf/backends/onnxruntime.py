@@ -251,8 +251,8 @@ def _register_shared_arena(onnxruntime: Any) -> None:
         info = onnxruntime.OrtMemoryInfo(
             "Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, onnxruntime.OrtMemType.DEFAULT
         )
-        # Defaults for every arena setting (max memory, extend strategy, initial chunk, max dead bytes).
-        onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(0, -1, -1, -1))
+        # No cap; extend by what a call requests (not the next power of two); default chunk and dead-byte sizes.
+        onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(0, 1, -1, -1))
         _arena_registered = True
 
 

@@ -46,8 +46,8 @@ class TuningJob:
 
     `samples` maps each signature to its recorded calls, hottest signature first. With `dynamic`, the signatures
     are one shape family (`InputSignature.family`): a polymorphic backend is built once for all of them
-    (`Backend.build(..., dynamic=True)`), checked on every recorded call of every shape, and timed on the calls
-    of the `TIMED_SHAPES` hottest shapes. A backend that builds one shape at a time is tried only on a family
+    (`Backend.build(..., dynamic=True)`), checked on every recorded call of every shape, and timed on one call
+    of each of the `TIMED_SHAPES` hottest shapes. A backend that builds one shape at a time is tried only on a family
     of one shape, and then serves that shape only.
 
     Replays never touch what the user holds: each replay gets fresh copies of object inputs (`Sample.as_call`),
@@ -82,7 +82,7 @@ class TuningJob:
         if not replayable:
             reasons = sorted({s.unreplayable for kept in samples.values() for s in kept if s.unreplayable})
             raise NoEvidence(f"recorded calls cannot be replayed: {'; '.join(reasons)}")
-        hot = set(self.signatures[: self.TIMED_SHAPES])
+        hot = set(self.signatures[: self.TIMED_SHAPES])  # timed on one call of each
         self.samples: list[Sample] = []
         self.references: list[Any] = []
         self._timed: list[int] = []  # indices into samples of the calls that are timed
@@ -92,6 +92,7 @@ class TuningJob:
                 reference = self._observe(sample, call, forward(*call[0], **call[1]))
                 if _all_finite(reference):
                     if signature in hot:
+                        hot.discard(signature)
                         self._timed.append(len(self.samples))
                     self.samples.append(sample)
                     self.references.append(reference)
