@@ -13,8 +13,8 @@ dynamic shapes: a graph for the first shape, then one graph with symbolic sizes 
 changed, not one graph per shape. Dynamo's recompile limit still applies (a size 0 or 1 is specialised): a
 frame it runs eager is counted (`BuiltBackend.fell_back`), so the tuning core rejects the shape that caused it.
 
-`freezing=True` folds the weights into the graph as
-constants, which is faster on CPU but bakes the weights (a private code object per module instance).
+`freezing=True` folds the weights into the graph as constants, which is faster on CPU but bakes the weights (a
+private code object per module instance).
 """
 
 from __future__ import annotations

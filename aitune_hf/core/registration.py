@@ -308,6 +308,7 @@ class Registration:
                 del _HELD[target.module]
         self._context.progress.close()
         self._context.decisions.clear()
+        self._context.on_call = None
         self._detached = True
 
     def __enter__(self) -> Registration:
