@@ -27,9 +27,12 @@ class TensorSpec(NamedTuple):
     device: torch.device
 
     def __str__(self) -> str:
-        dims = "x".join(str(d) for d in self.shape) or "scalar"
-        dtype = str(self.dtype).removeprefix("torch.")
-        return f"{dtype}[{dims}]@{self.device}"
+        return _spec_text(self.shape, self.dtype, self.device)
+
+
+def _spec_text(dims: Sequence[Any], dtype: torch.dtype, device: torch.device) -> str:
+    """`float32[2x8x384]@cpu`: a tensor spec as reports show it (a dim may be a range such as "8..121")."""
+    return f"{str(dtype).removeprefix('torch.')}[{'x'.join(str(d) for d in dims) or 'scalar'}]@{device}"
 
 
 @dataclass(frozen=True)
@@ -120,8 +123,7 @@ def describe_family(signatures: Sequence[InputSignature]) -> str:
         for dim in range(len(spec.shape)):
             sizes = {other[index].shape[dim] for other in specs}
             dims.append(str(spec.shape[dim]) if len(sizes) == 1 else f"{min(sizes)}..{max(sizes)}")
-        dtype = str(spec.dtype).removeprefix("torch.")
-        parts.append(f"{dtype}[{'x'.join(dims) or 'scalar'}]@{spec.device}")
+        parts.append(_spec_text(dims, spec.dtype, spec.device))
     text = ", ".join(parts)
     rest = first.short().partition(" | ")[2]
     return f"{text} | {rest} ({len(signatures)} shapes)" if rest else f"{text} ({len(signatures)} shapes)"

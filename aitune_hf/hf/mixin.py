@@ -459,13 +459,13 @@ def _outside_call(state: _AITuneState, owner: str, target: str) -> None:
     whole calls arm and this observer removes itself. With `tune_after_calls=None`, one warning after
     `_MANUAL_WARNING_CALLS` calls says that nothing tunes until `aitune.tune()` is called."""
     registration = state.registration
+    if state.calls:  # whole calls are seen (they arm): off the hot path from the first call after one
+        registration.observe_calls(None)
+        return
     marker = state.marker  # read without the lock: only the marker's calls count (every target's call comes here)
     if (marker is not None and target != marker) or state.in_whole_call or registration.bypassed:
         return
     with state.lock:
-        if state.calls:
-            registration.observe_calls(None)
-            return
         if state.marker is None:
             state.marker = target
         if target != state.marker:
