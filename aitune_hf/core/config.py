@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,12 @@ class TuningConfig:
             shape the build covers is checked against eager once (it returns eager's output), then served.
             "exact": one build per exact signature; calls of any other shape run eager and are recorded.
             Calls that hold objects (a KV cache) are tuned per exact signature either way.
+        cache_dir: where decisions and artifacts persist across processes (docs/cache.md): a folder, or an fsspec
+            URL (`s3://...`, `gs://...`, `memory://...`). None: the `AITUNE_HF_CACHE` environment variable (a folder,
+            a URL, or "off"), else `aitune_hf` under the user's cache folder.
+        cache: "rw" (default: reuse entries and write new ones), "ro" (reuse, never write; the report says so) or
+            "off".
+        budget_s: an optional tuning budget per target, in seconds; None: no budget.
         retune: after a guard failure (module state or structure changed since a backend was built), re-tune
             on its own at a later call; False: only when `tune()` is called.
 
@@ -97,6 +104,9 @@ class TuningConfig:
     shapes: str = "family"
     retune: bool = True
     weight_check: str = "sampled"
+    cache_dir: str | os.PathLike[str] | None = None
+    cache: str = "rw"
+    budget_s: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -123,6 +133,14 @@ class TuningConfig:
         self.retune = _check_bool("retune", self.retune)
         if self.weight_check not in ("sampled", "full"):
             raise _error("weight_check", self.weight_check, "'sampled' or 'full'")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, str | os.PathLike):
+            raise _error("cache_dir", self.cache_dir, "a folder path, an fsspec URL or None")
+        if self.cache not in ("rw", "ro", "off"):
+            raise _error("cache", self.cache, "'rw', 'ro' or 'off'")
+        if self.budget_s is not None:
+            self.budget_s = _check_number("budget_s", self.budget_s)
+            if self.budget_s <= 0:
+                raise _error("budget_s", self.budget_s, "a finite number > 0, or None")
 
     @property
     def after_calls(self) -> int | None:
