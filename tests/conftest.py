@@ -4,6 +4,7 @@ no test leaves process-wide state changed."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -11,6 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+
+# The persistent cache is on by default (in the user's cache folder): the suite turns it off so that no test
+# starts warm from another's decisions (or from a developer's own cache). Cache tests pass cache_dir explicitly.
+os.environ["AITUNE_HF_CACHE"] = "off"
 
 #: Loggers whose levels every test must leave as it found them ("" is the root logger).
 WATCHED_LOGGERS = ("", "torch.onnx", "onnxscript", "onnx_ir", "torch.export", "torch._export")

@@ -7,8 +7,10 @@ the forward to reproduce, and sample calls as plain ``(args, kwargs)`` pairs, an
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,40 @@ class BuiltBackend:
     #: A count that grows whenever the callable ran (part of) a call in another way than built (Dynamo running a
     #: frame eager): the core reads it around each new shape's one-time check. None: it never does.
     fell_back: Callable[[], int] | None = None
+    #: The artifact was read from a cache (`ArtifactPlace.load`) rather than built here.
+    loaded: bool = False
+
+
+class ArtifactPlace(abc.ABC):
+    """Where a build finds a cached artifact and where it writes the one it makes: set by the tuning core around
+    the builds of one tuning (`artifact_place`), read by backends that persist what they build (ONNX models).
+    A backend that finds nothing here builds as it would without a cache."""
+
+    @abc.abstractmethod
+    def load(self, backend: Backend, bakes_weights: bool) -> Path | None:
+        """A local folder holding this backend's artifact for the module being tuned, already checked against
+        its manifest (and, when `bakes_weights`, made for the module's current weights); None: build afresh."""
+
+    @abc.abstractmethod
+    def save(self) -> Path:
+        """A fresh, empty local folder to write a new artifact into (published if this build wins)."""
+
+
+_PLACE: contextvars.ContextVar[ArtifactPlace | None] = contextvars.ContextVar("aitune_hf_artifact_place", default=None)
+
+
+@contextlib.contextmanager
+def artifact_place(place: ArtifactPlace | None) -> Iterator[None]:
+    """Builds inside this block (in this thread) read and write artifacts through `place`."""
+    token = _PLACE.set(place)
+    try:
+        yield
+    finally:
+        _PLACE.reset(token)
+
+
+def current_artifact_place() -> ArtifactPlace | None:
+    return _PLACE.get()
 
 
 class Backend(abc.ABC):

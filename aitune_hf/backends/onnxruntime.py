@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from aitune_hf.backends.base import Backend, BuiltBackend, Call, register_backend
+from aitune_hf.backends.base import Backend, BuiltBackend, Call, current_artifact_place, register_backend
 from aitune_hf.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -176,17 +176,28 @@ class OnnxRuntimeBackend(Backend):
                 dump_exported_program=False,
             )
 
-        with _exporting(), torch.inference_mode(False), torch.no_grad():
-            attempts = _dynamic_attempts(samples) if dynamic else [None]
-            for attempt, dims in enumerate(attempts):
-                try:
-                    program = export(dims)
-                    break
-                except Exception:
-                    if attempt == len(attempts) - 1:
-                        raise
-                    logger.debug("export with dynamic dims %s failed; trying fewer", dims, exc_info=True)
-            model, path, cleanup = self._place(program, module, large=bakes and _needs_external_data(module))
+        place = current_artifact_place()
+        cached = place.load(self, bakes) if place is not None else None
+        if cached is not None:  # a model this backend exported before, for this module, signature and weights
+            model, path, cleanup = str(cached / _MODEL_FILE), cached / _MODEL_FILE, None
+        else:
+            with _exporting(), torch.inference_mode(False), torch.no_grad():
+                attempts = _dynamic_attempts(samples) if dynamic else [None]
+                for attempt, dims in enumerate(attempts):
+                    try:
+                        program = export(dims)
+                        break
+                    except Exception:
+                        if attempt == len(attempts) - 1:
+                            raise
+                        logger.debug("export with dynamic dims %s failed; trying fewer", dims, exc_info=True)
+                large = bakes and _needs_external_data(module)
+                if place is not None:  # the cache keeps it if this build wins
+                    path, cleanup = place.save() / _MODEL_FILE, None
+                    program.save(str(path), external_data=large)
+                    model = str(path)
+                else:
+                    model, path, cleanup = self._place(program, module, large=large)
 
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = self.intra_op_num_threads or torch.get_num_threads()
@@ -207,6 +218,8 @@ class OnnxRuntimeBackend(Backend):
                 (p, {"device_id": device.index or 0}) if p == "CUDAExecutionProvider" else p for p in providers
             ]
         session = onnxruntime.InferenceSession(model, options, providers=providers)
+        if cached is not None:
+            _check_interface(session, weight_names + input_names, output_names)
         runner = _SessionRunner(
             session=session,
             device=device,
@@ -223,7 +236,10 @@ class OnnxRuntimeBackend(Backend):
         if cleanup is not None:  # a temporary folder lives as long as the session that reads it
             weakref.finalize(runner, shutil.rmtree, cleanup, ignore_errors=True)
         dynamic_dims = _free_dims(session, input_names, [in_leaves[i] for i in tensor_positions]) if dynamic else None
-        return BuiltBackend(fn=runner, bakes_weights=bakes, artifacts=[path] if path else [], dynamic_dims=dynamic_dims)
+        artifacts = [path.parent] if place is not None and path is not None else [path] if path else []
+        return BuiltBackend(
+            fn=runner, bakes_weights=bakes, artifacts=artifacts, dynamic_dims=dynamic_dims, loaded=cached is not None
+        )
 
     def _place(self, program: Any, module: torch.nn.Module, large: bool) -> tuple[Any, Path | None, Path | None]:
         """Where the session reads the model from: `artifact_dir` when set, else memory (or, past protobuf's
@@ -235,6 +251,22 @@ class OnnxRuntimeBackend(Backend):
         path = directory / f"{type(module).__name__}_{id(module):x}_{len(list(directory.iterdir()))}.onnx"
         program.save(str(path), external_data=large)
         return str(path), path, None if self.artifact_dir else directory
+
+
+#: The model's file name inside an artifact folder (external data, if any, sits beside it).
+_MODEL_FILE = "model.onnx"
+
+
+def _check_interface(session: Any, inputs: list[str], outputs: list[str]) -> None:
+    """A cached model must take (a subset of) the inputs this call passes and return the outputs it expects."""
+    names = [i.name for i in session.get_inputs()]
+    unknown = sorted(set(names) - set(inputs))
+    returned = [o.name for o in session.get_outputs()]
+    if unknown or returned != outputs:
+        raise RuntimeError(
+            f"the cached ONNX model does not fit this call: inputs {names} (expected from {inputs}), outputs "
+            f"{returned} (expected {outputs})"
+        )
 
 
 _arena_lock = threading.Lock()

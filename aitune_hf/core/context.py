@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from aitune_hf.backends.base import Backend
+from aitune_hf.core.cache import TuningCache
 from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.strategy import Decision, Strategy
 
@@ -51,6 +52,7 @@ class TuningContext:
         strategy: builds, checks, times and chooses.
         candidates: the candidate backends, eager excluded.
         decisions: decisions shared by identical siblings (sibling key -> (owner name, Decision)).
+        cache: decisions and artifacts kept across processes, or None.
         progress: the progress bar.
         bypassed: True while the registration runs everything eager (`Registration.bypass()`).
         on_call: an observer of routed calls (the Hugging Face layer arms tuning from it where it sees no
@@ -63,5 +65,7 @@ class TuningContext:
     progress: Progress
     bypassed: Callable[[], bool]
     decisions: dict[Any, tuple[str, Decision]] = field(default_factory=dict)
+    #: The persistent cache (`core/cache.py`), or None when it is off.
+    cache: TuningCache | None = None
     #: Called with the target's name at the start of each routed call, while set (`Registration.observe_calls`).
     on_call: Callable[[str], None] | None = None

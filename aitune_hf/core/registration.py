@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from aitune_hf.backends.base import Backend
+from aitune_hf.core.cache import TuningCache, open_cache
 from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.context import Progress, TuningContext
 from aitune_hf.core.report import ModuleReport, TuningReport
@@ -111,6 +112,7 @@ class Registration:
             candidates=candidates,
             progress=Progress(self._pending_count, enabled=config.progress),
             bypassed=lambda: self.bypassed,
+            cache=open_cache(config),
         )
         self._targets = {name: Target(name, module, self._context) for name, module in modules.items()}
         #: Reports of targets that `descend()` replaced by targets inside them, by name.
@@ -238,6 +240,11 @@ class Registration:
     def targets(self) -> dict[str, Target]:
         """Name -> Target (state, samples, routes)."""
         return dict(self._targets)
+
+    @property
+    def cache(self) -> TuningCache | None:
+        """The persistent cache this registration reads (and writes), or None when it is off (docs/cache.md)."""
+        return self._context.cache
 
     @property
     def reports(self) -> dict[str, ModuleReport]:

@@ -38,6 +38,7 @@ class SignatureReport:
     candidates: list[CandidateResult] = field(default_factory=list)
     reason: str | None = None  # why eager was kept, when it was
     shared_from: str | None = None  # the identical sibling whose decision was reused
+    from_cache: str | None = None  # the persistent cache entry whose decision was reused (its winner built alone)
     details: str | None = None  # the full text behind `reason` when an exception caused it (every chained cause)
     shapes: int = 1  # concrete input shapes this decision serves: those tuned on, then those admitted after a check
     shape_checks: int = 0  # one-time checks against eager of new shapes (a polymorphic build), and their cost

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from aitune_hf.backends.base import Backend, BuiltBackend
+from aitune_hf.backends.base import Backend, BuiltBackend, artifact_place
+from aitune_hf.core.cache import Consultation, consult
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.guards import ModuleGuard
@@ -531,7 +532,7 @@ class Target:
             self._add_route(signatures, _Route(None, None, report, ModuleGuard(self.module)))
             return
         try:
-            decision = self._shared_or_new(job, signatures)
+            decision = self._shared_or_new(job, signatures, dynamic)
         except Exception as error:
             reason = f"tuning failed: {summarize(error)}"
             logger.warning("%s: %s", self.name, reason, exc_info=True)
@@ -556,19 +557,60 @@ class Target:
             family = signatures[0].family
             self._families = {**self._families, family: [*self._families.get(family, ()), route]}
 
-    def _shared_or_new(self, job: TuningJob, signatures: list[InputSignature]) -> Decision:
+    def _shared_or_new(self, job: TuningJob, signatures: list[InputSignature], dynamic: bool) -> Decision:
+        """An identical sibling's decision, a cached one (`core/cache.py`), or a new one; each checked on the
+        recorded calls before it serves. A new decision, and the artifact its build wrote, go to the cache."""
         context = self._context
         key = _sibling_key(self.module, signatures) if context.config.share_identical else None
         shared = context.decisions.get(key) if key is not None else None
-        # A sibling's decision, not this target's own: its own earlier one was made in another module state.
-        if shared is not None and shared[0] != self.name:
-            decision = self._reuse(job, shared)
-            if decision is not None:
-                return decision
-        decision = context.strategy.decide(job, context.candidates)
-        if key is not None:
+        with (
+            consult(context.cache, self.module, signatures, dynamic, context.config, context.candidates,
+                    repr(context.strategy)) as entry,
+            artifact_place(entry.place if entry is not None else None),
+        ):  # fmt: skip
+            decision = None
+            # A sibling's decision, not this target's own: its own earlier one was made in another module state.
+            if shared is not None and shared[0] != self.name:
+                decision = self._reuse(job, shared)
+            if decision is None and entry is not None and entry.record is not None:
+                decision = self._from_cache(job, entry)
+            new = decision is None
+            if new:
+                decision = context.strategy.decide(job, context.candidates)
+            if entry is not None:
+                stats = entry.cache.stats
+                stats.hits += not new and entry.record is not None
+                stats.misses += new
+                entry.store(decision, signatures, new_decision=new)
+        if key is not None and (shared is None or new):
             context.decisions[key] = (self.name, decision)
         return decision
+
+    def _from_cache(self, job: TuningJob, entry: Consultation) -> Decision | None:
+        """The cached decision, its winner built alone (from its cached artifact where one fits) and checked on
+        every recorded call; None to tune in full (its winner is not a candidate here, or it failed)."""
+        record = entry.record
+        assert record is not None
+        figures = record["report"]
+        job.report.from_cache = entry.key
+        job.report.eager_latency_s = figures.get("eager_latency_s")
+        if record["chosen"] == "eager":
+            return job.keep_eager(figures.get("reason") or "eager kept")
+        backend = next((b for b in self._context.candidates if b.describe() == record["backend"]), None)
+        if backend is None:
+            job.report.from_cache = None
+            return None
+        result, built = job.try_backend(backend)
+        if built is None:
+            entry.cache.stats.problems.append(f"{entry.key}: cached winner {result.backend} failed: {result.error}")
+            logger.warning("%s: cached winner %s failed here (%s); tuning afresh", self.name, result.backend,
+                           result.error)  # fmt: skip
+            job.report.candidates.clear()
+            job.report.from_cache = None
+            return None
+        original = next((c for c in figures.get("candidates", ()) if c.get("backend") == result.backend), {})
+        result.latency_s, result.speedup = original.get("latency_s"), original.get("speedup")
+        return job.choose(backend, result, built)
 
     def _reuse(self, job: TuningJob, shared: tuple[str, Decision]) -> Decision | None:
         """Apply an identical sibling's decision, checked for correctness only; None to tune in full."""

@@ -1,0 +1,602 @@
+"""The persistent tuning cache: decisions (JSON) and backend artifacts (ONNX models) that outlive the process.
+
+Layout under the cache root (a local folder or an fsspec URL), one entry per key::
+
+    aitune_hf-cache.json                      marker: {"format": FORMAT}
+    entries/<key>/decision.json               the decision, the candidates' figures, and the key's fields
+    entries/<key>/<backend>-<weights>/        an artifact: files + manifest.json (each file's size and sha256)
+    tmp/                                      staging; moved into place by a rename (local) or a move (fsspec)
+    locks/<key>.lock                          a file lock around writes (local folders)
+
+What an entry's key holds (`key_fields`): the module's class and structure (each submodule's class, each
+parameter's and buffer's name, shape and dtype) and every plain value the guard checks (`state_fingerprint`);
+the input signature (or shape family) and grad mode; the candidate backends with their options, the strategy and
+the thresholds; the versions of aitune_hf, torch, onnxruntime, onnx and onnxscript; the device (CPU
+architecture, ISA and the flags that change kernels, or the GPU's name and compute capability) and the thread
+count. An artifact that bakes weights sits in a folder named by the weights' digest: a LoRA fused into them,
+`load_state_dict` or any edit gives another digest, so it is never loaded for other weights.
+
+Safety: records are JSON (never unpickled) and checked field by field; an artifact's files are checked against
+their manifest's sizes and digests before they are used; anything that fails is ignored with a warning (and, in
+"rw" mode, replaced by what this process tunes). Writes go to `tmp/` and are moved into place, under a file
+lock. A local root is created 0700, and one that others may write to is refused (its ONNX models would be run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import stat
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aitune_hf.backends.base import ArtifactPlace, Backend
+from aitune_hf.core.guards import state_fingerprint
+from aitune_hf.core.signature import InputSignature
+
+if TYPE_CHECKING:
+    from aitune_hf.core.config import TuningConfig
+
+logger = logging.getLogger(__name__)
+
+#: The layout and record format; a record of another format is ignored (and replaced in "rw" mode).
+FORMAT = 1
+ENV = "AITUNE_HF_CACHE"
+MARKER = "aitune_hf-cache.json"
+DECISION = "decision.json"
+MANIFEST = "manifest.json"
+_HASH_CHUNK = 1 << 20
+
+
+def default_location() -> str:
+    """`aitune_hf` under the user's cache folder (`~/.cache/aitune_hf` on Linux)."""
+    import platformdirs
+
+    return platformdirs.user_cache_dir("aitune_hf", appauthor=False)
+
+
+def open_cache(config: TuningConfig) -> TuningCache | None:
+    """The cache `config` asks for (`cache_dir`, else `$AITUNE_HF_CACHE`, else `default_location()`), or None
+    when it is off. A cache that cannot be used (a folder others may write to, a URL whose file system is not
+    installed) is a warning and None: tuning goes on without it."""
+    if config.cache == "off":
+        return None
+    location = config.cache_dir if config.cache_dir is not None else os.environ.get(ENV) or default_location()
+    location = os.fspath(location)
+    if location.strip().lower() == "off":
+        return None
+    try:
+        return TuningCache(location, read_only=config.cache == "ro")
+    except CacheUnusable as error:
+        logger.warning("aitune_hf cache off: %s", error)
+        return None
+
+
+class CacheUnusable(Exception):
+    """The cache location cannot be used safely (the message says why)."""
+
+
+@dataclass
+class CacheStats:
+    """What the cache did for one registration (shown in its report)."""
+
+    location: str
+    mode: str
+    hits: int = 0  # decisions reused
+    misses: int = 0  # decisions tuned afresh (none cached, or the cached one failed its check)
+    written: int = 0  # decisions and artifacts written
+    artifacts_loaded: int = 0
+    problems: list[str] = field(default_factory=list)  # entries ignored, with why
+
+    def line(self) -> str:
+        parts = [f"cache {self.location} ({self.mode}): {self.hits} decision(s) reused, {self.misses} tuned"]
+        if self.artifacts_loaded:
+            parts.append(f"{self.artifacts_loaded} artifact(s) loaded")
+        parts.append(f"{self.written} written" if self.mode == "rw" else "read-only: nothing written")
+        if self.problems:
+            parts.append(f"{len(self.problems)} entr{'y' if len(self.problems) == 1 else 'ies'} ignored")
+        return "; ".join(parts)
+
+
+@dataclass
+class Entry:
+    """One cached decision, as `aitune-hf cache ls` shows it."""
+
+    key: str
+    record: dict[str, Any] | None
+    artifacts: list[str]
+    size_bytes: int
+    problem: str | None = None
+
+    def describe(self) -> str:
+        if self.record is None:
+            return f"{self.key}  unreadable: {self.problem}"
+        fields = self.record.get("fields", {})
+        text = (
+            f"{self.key}  {fields.get('module', '?')}  [{fields.get('signature', '?')}]  -> {self.record.get('chosen')}"
+            f"  ({len(self.artifacts)} artifact(s), {self.size_bytes / 2**20:.1f} MiB)"
+        )
+        return f"{text}  PROBLEM: {self.problem}" if self.problem else text
+
+
+class TuningCache:
+    """A cache root (local folder or fsspec URL). Thread-safe for the tuning core's use (one tuning at a time)."""
+
+    def __init__(self, location: str, read_only: bool = False) -> None:
+        import fsspec
+
+        self.location = location
+        self.read_only = read_only
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(location)
+        except (ImportError, ValueError) as error:
+            raise CacheUnusable(f"{location!r}: {error}") from None
+        self.local = "file" in _protocols(self.fs) or "local" in _protocols(self.fs)
+        if self.local:
+            self.root = os.path.abspath(self.root)
+            self._check_local_root()
+        self.stats = CacheStats(location, "ro" if read_only else "rw")
+
+    # -- safety -------------------------------------------------------------------------------------------------
+    def _check_local_root(self) -> None:
+        root = Path(self.root)
+        if not root.exists():
+            if self.read_only:
+                return  # nothing to read; nothing is created
+            try:
+                root.mkdir(mode=0o700, parents=True)
+            except OSError as error:
+                raise CacheUnusable(f"cannot create {root}: {error}") from None
+        for folder in [root, *[p for p in (root / "entries", root / "tmp") if p.exists()]]:
+            mode = folder.stat().st_mode
+            if mode & (stat.S_IWGRP | stat.S_IWOTH):
+                raise CacheUnusable(
+                    f"{folder} may be written by other users (mode {stat.filemode(mode)}); its ONNX models would run "
+                    "in this process. Use a folder only you can write (chmod 700), or a fleet URL"
+                )
+
+    # -- keys ---------------------------------------------------------------------------------------------------
+    @staticmethod
+    def key(fields: dict[str, Any]) -> str:
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+    def _path(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    # -- decisions ----------------------------------------------------------------------------------------------
+    def read_decision(self, key: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+        """The record for `key` when it is whole, of this format and made for exactly `fields`; else None (a
+        warning says why when a record is there but unusable)."""
+        path = self._path("entries", key, DECISION)
+        try:
+            with self.fs.open(path, "rb") as handle:
+                raw = handle.read()
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            self._problem(key, f"cannot read {path}: {error}")
+            return None
+        problem, record = _parse_record(raw, key, fields)
+        if problem is not None:
+            self._problem(key, problem)
+            return None
+        return record
+
+    def write_decision(self, key: str, record: dict[str, Any]) -> None:
+        if self.read_only:
+            return
+        data = json.dumps({"format": FORMAT, "key": key, **record}, indent=1, sort_keys=True, default=str).encode()
+        with self._lock(key):
+            self._publish_bytes(self._path("entries", key, DECISION), data)
+        self.stats.written += 1
+
+    # -- artifacts ----------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[Path]:
+        """A local folder for builds to write artifacts into (removed afterwards). Inside the root for a local
+        cache, so that publishing is a rename."""
+        if self.local and not self.read_only:
+            base = Path(self.root) / "tmp"
+            base.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder = Path(tempfile.mkdtemp(prefix="stage-", dir=base))
+        else:
+            folder = Path(tempfile.mkdtemp(prefix="aitune_hf_stage_"))
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def artifact(self, key: str, name: str, into: Path) -> Path | None:
+        """The local folder holding artifact `name` of entry `key`, after checking every file against its
+        manifest; None when it is missing or fails the check (a warning says why). A remote artifact is
+        downloaded into `into` first."""
+        remote = self._path("entries", key, name)
+        try:
+            with self.fs.open(f"{remote}/{MANIFEST}", "rb") as handle:
+                manifest = json.loads(handle.read())
+            files = manifest["files"]
+            if manifest.get("format") != FORMAT or not isinstance(files, dict) or not files:
+                raise ValueError("not a manifest of this format")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            self._problem(key, f"artifact {name}: unreadable manifest ({error})")
+            return None
+        if self.local:
+            folder = Path(remote)
+        else:
+            folder = into / name
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                for file in files:
+                    self.fs.get(f"{remote}/{file}", str(folder / _plain_name(file)))
+            except (OSError, ValueError) as error:
+                self._problem(key, f"artifact {name}: download failed ({error})")
+                return None
+        for file, expected in files.items():
+            path = folder / _plain_name(file)
+            if (
+                not path.is_file()
+                or path.stat().st_size != expected.get("size")
+                or _sha256(path) != expected.get("sha256")
+            ):
+                self._problem(key, f"artifact {name}: {file} is missing, truncated or changed")
+                return None
+        self.stats.artifacts_loaded += 1
+        return folder
+
+    def write_artifact(self, key: str, name: str, folder: Path) -> None:
+        """Publish the files of `folder` as artifact `name` of entry `key`, with a manifest; replaces an older
+        artifact of the same name."""
+        if self.read_only:
+            return
+        files = sorted(p for p in folder.iterdir() if p.is_file())
+        described = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+        manifest = {"format": FORMAT, "files": described}
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        target = self._path("entries", key, name)
+        with self._lock(key):
+            if self.local:
+                Path(target).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                staged = Path(self.root) / "tmp" / f"artifact-{uuid.uuid4().hex}"
+                shutil.copytree(folder, staged)  # the build's folder is removed with its staging
+                old = None
+                if Path(target).exists():
+                    old = Path(self.root) / "tmp" / f"old-{uuid.uuid4().hex}"
+                    os.rename(target, old)
+                os.rename(staged, target)
+                if old is not None:
+                    shutil.rmtree(old, ignore_errors=True)
+            else:
+                staged = self._path("tmp", f"artifact-{uuid.uuid4().hex}")
+                self.fs.put(str(folder), staged, recursive=True)
+                if self.fs.exists(target):
+                    self.fs.rm(target, recursive=True)
+                self.fs.mv(staged, target, recursive=True)
+        self.stats.written += 1
+
+    # -- listing (aitune-hf cache ls | verify | clear) ------------------------------------------------------------
+    def entries(self, verify: bool = False) -> list[Entry]:
+        """Every entry; with `verify`, each artifact is checked against its manifest."""
+        base = self._path("entries")
+        try:
+            keys = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False))
+        except FileNotFoundError:
+            return []
+        found = []
+        for key in keys:
+            folder = self._path("entries", key)
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(folder, detail=False)]
+            size = sum(self.fs.du(self._path("entries", key, n)) for n in names)
+            artifacts = sorted(n for n in names if n != DECISION)
+            try:
+                with self.fs.open(self._path("entries", key, DECISION), "rb") as handle:
+                    raw = handle.read()
+            except (FileNotFoundError, IsADirectoryError):
+                found.append(Entry(key, None, artifacts, size, "no decision.json"))
+                continue
+            problem, record = _parse_record(raw, key, None)
+            entry = Entry(key, record, artifacts, size, problem)
+            if verify and problem is None:
+                with tempfile.TemporaryDirectory() as scratch:
+                    before = len(self.stats.problems)
+                    for name in artifacts:
+                        self.artifact(key, name, Path(scratch))
+                    if len(self.stats.problems) > before:
+                        entry.problem = "; ".join(self.stats.problems[before:])
+            found.append(entry)
+        return found
+
+    def clear(self) -> int:
+        """Remove every entry and staging leftover; returns how many entries there were."""
+        if self.read_only:
+            raise PermissionError(f"cache {self.location} is read-only")
+        count = len(self.entries())
+        for sub in ("entries", "tmp", "locks"):
+            path = self._path(sub)
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=True)
+        return count
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _problem(self, key: str, problem: str) -> None:
+        self.stats.problems.append(f"{key}: {problem}")
+        logger.warning("aitune_hf cache: ignoring entry %s (%s); it is tuned again%s", key, problem,
+                       "" if self.read_only else " and replaced")  # fmt: skip
+
+    @contextlib.contextmanager
+    def _lock(self, key: str) -> Iterator[None]:
+        """A file lock around writes of one entry (local roots; an fsspec store relies on atomic moves)."""
+        if not self.local:
+            yield
+            return
+        from filelock import FileLock
+
+        locks = Path(self.root) / "locks"
+        locks.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with FileLock(str(locks / f"{key}.lock"), timeout=600):
+            yield
+
+    def _publish_bytes(self, path: str, data: bytes) -> None:
+        """Write `data` to `path` atomically: a temporary file, then a rename (or an fsspec move)."""
+        if self.local:
+            Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=Path(path).parent, prefix=".tmp-")
+            try:
+                with os.fdopen(handle, "wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(temporary, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+                raise
+            return
+        temporary = self._path("tmp", f"{uuid.uuid4().hex}.json")
+        self.fs.makedirs(self._path("tmp"), exist_ok=True)
+        with self.fs.open(temporary, "wb") as out:
+            out.write(data)
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        self.fs.mv(temporary, path)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def _plain_name(name: str) -> str:
+    """A manifest's file name, refused when it could point outside the artifact's folder."""
+    if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
+        raise ValueError(f"bad file name in manifest: {name!r}")
+    return name
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _parse_record(raw: bytes, key: str, fields: dict[str, Any] | None) -> tuple[str | None, dict[str, Any] | None]:
+    """(problem, record): JSON only, with the fields this version writes; `fields` must match when given."""
+    try:
+        record = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        return f"not valid JSON (corrupt or truncated: {error})", None
+    if not isinstance(record, dict):
+        return "not a record", None
+    if record.get("format") != FORMAT:
+        return f"written in format {record.get('format')!r}, this aitune_hf reads {FORMAT}", record
+    missing = [name for name in ("key", "fields", "chosen", "report") if name not in record]
+    if missing:
+        return f"lacks {', '.join(missing)}", record
+    if record["key"] != key:
+        return f"holds key {record['key']!r}, found under {key!r}", record
+    if fields is not None and record["fields"] != json.loads(json.dumps(fields, default=str)):
+        changed = sorted(k for k in {*fields, *record["fields"]} if record["fields"].get(k) != fields.get(k))
+        return f"made for other {', '.join(changed)}", record
+    return None, record
+
+
+# -- what a key holds ---------------------------------------------------------------------------------------------
+
+
+def key_fields(
+    module: torch.nn.Module,
+    signatures: Sequence[InputSignature],
+    dynamic: bool,
+    config: TuningConfig,
+    candidates: Sequence[Backend],
+    strategy: str,
+) -> dict[str, Any]:
+    """Everything a decision depends on (see the module docstring), as JSON-ready text."""
+    signature = signatures[0]
+    kind = type(module)
+    return {
+        "module": f"{kind.__module__}.{kind.__qualname__}",
+        "state": state_fingerprint(module),
+        "signature": repr(signature.family) if dynamic else repr(signature),
+        "shapes": config.shapes if dynamic else "exact",
+        "training": module.training,
+        "backends": [backend.describe() for backend in candidates],
+        "strategy": strategy,
+        "min_speedup": config.min_speedup,
+        "tolerances": sorted((str(dtype), list(pair)) for dtype, pair in config.tolerances.items()),
+        "versions": versions(),
+        "device": device_fingerprint(signature.devices),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """A digest of every parameter's and buffer's values (what a baked artifact holds)."""
+    digest = hashlib.blake2b(digest_size=16)
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+            data = tensor.detach()
+            if data.device.type != "cpu":
+                data = data.cpu()
+            data = data.contiguous()
+            if data.numel():
+                digest.update(data.view(torch.uint8).numpy().tobytes() if data.dtype != torch.bool else data.numpy())
+    return digest.hexdigest()
+
+
+@functools.cache
+def versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    found: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("aitune-hf", "onnxruntime", "onnx", "onnxscript"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def device_fingerprint(devices: frozenset[torch.device]) -> list[str]:
+    """The devices a decision was made on: CPU architecture, ISA and kernel-relevant flags; GPU name and
+    compute capability."""
+    return sorted(_device_text(device) for device in devices) or [_device_text(torch.device("cpu"))]
+
+
+def _device_text(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"cuda {torch.cuda.get_device_name(index)} sm_{major}{minor}"
+    if device.type == "cpu":
+        return _cpu_text()
+    return device.type
+
+
+@functools.cache
+def _cpu_text() -> str:
+    flags: set[str] = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.partition(":")[2].split())
+                break
+    relevant = sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16"})
+    return f"cpu {platform.machine()} {torch.backends.cpu.get_cpu_capability()} {' '.join(relevant)}".strip()
+
+
+def report_to_record(report: Any) -> dict[str, Any]:
+    """A SignatureReport as JSON-ready data (figures only)."""
+    return json.loads(json.dumps(dataclasses.asdict(report), default=str))
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# -- one tuning's use of the cache ----------------------------------------------------------------------------------
+
+
+class _EntryPlace(ArtifactPlace):
+    """The artifacts of one cache entry, as the builds of one tuning see them."""
+
+    def __init__(self, cache: TuningCache, key: str, module: torch.nn.Module, staging: Path) -> None:
+        self.cache, self.key, self.module, self.staging = cache, key, module, staging
+        self.saved: dict[Path, str] = {}  # folder written by a build -> its artifact name
+
+    @functools.cached_property
+    def weights(self) -> str:
+        return weights_digest(self.module)
+
+    def name(self, backend: Backend, bakes_weights: bool) -> str:
+        label = "".join(c if c.isalnum() or c in "-_" else "_" for c in backend.describe())
+        return f"{label}-{self.weights if bakes_weights else 'live'}"
+
+    def load(self, backend: Backend, bakes_weights: bool) -> Path | None:
+        scratch = Path(tempfile.mkdtemp(dir=self.staging))
+        return self.cache.artifact(self.key, self.name(backend, bakes_weights), scratch)
+
+    def save(self) -> Path:
+        return Path(tempfile.mkdtemp(dir=self.staging))
+
+
+@dataclass
+class Consultation:
+    """The cache entry for one tuning: its key and fields, the record found (None: none usable), and the place
+    where the builds read and write artifacts."""
+
+    cache: TuningCache
+    key: str
+    fields: dict[str, Any]
+    record: dict[str, Any] | None
+    place: _EntryPlace
+
+    def store(self, decision: Any, signatures: Sequence[InputSignature], new_decision: bool) -> None:
+        """Write `decision` (when `new_decision`) and the artifact its build wrote (when it built one)."""
+        cache = self.cache
+        if cache.read_only:
+            return
+        try:
+            built = decision.built
+            staged = built is not None and not built.loaded and built.artifacts
+            if staged and built.artifacts[0].parent == self.place.staging:
+                name = self.place.name(decision.backend, built.bakes_weights)
+                cache.write_artifact(self.key, name, built.artifacts[0])
+            if new_decision:
+                record = {
+                    "fields": self.fields,
+                    "chosen": decision.report.chosen,
+                    "backend": decision.backend.describe() if decision.backend is not None else None,
+                    "report": report_to_record(decision.report),
+                    "signatures": [signature.short() for signature in signatures],
+                    "created": now(),
+                }
+                cache.write_decision(self.key, record)
+        except Exception as error:  # the cache never breaks tuning
+            cache.stats.problems.append(f"{self.key}: could not write ({error})")
+            logger.warning("aitune_hf cache: could not write entry %s: %s", self.key, error, exc_info=True)
+
+
+@contextlib.contextmanager
+def consult(
+    cache: TuningCache | None,
+    module: torch.nn.Module,
+    signatures: Sequence[InputSignature],
+    dynamic: bool,
+    config: TuningConfig,
+    candidates: Sequence[Backend],
+    strategy: str,
+) -> Iterator[Consultation | None]:
+    """The entry for tuning `signatures` of `module` (None without a cache), with artifacts staged for the
+    duration of the block."""
+    if cache is None:
+        yield None
+        return
+    try:
+        fields = key_fields(module, signatures, dynamic, config, candidates, strategy)
+        key = cache.key(fields)
+        record = cache.read_decision(key, fields)
+    except Exception as error:  # the cache never breaks tuning
+        cache.stats.problems.append(f"lookup failed ({error})")
+        logger.warning("aitune_hf cache: lookup failed: %s", error, exc_info=True)
+        yield None
+        return
+    with cache.staging() as staging:
+        yield Consultation(cache, key, fields, record, _EntryPlace(cache, key, module, staging))
