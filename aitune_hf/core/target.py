@@ -482,7 +482,7 @@ class Target:
         try:
             with Stopwatch() as watch:
                 for group, dynamic in self._groups(pending):
-                    self._decide(group, {signature: self.samples[signature] for signature in group}, dynamic)
+                    self._decide(group, {sig: self.samples[sig] for sig in group}, dynamic, started=watch.start)
                     for signature in group:
                         del self.samples[signature]  # released once decided; kept if interrupted
                         self._recorded_by_signature.pop(signature, None)
@@ -510,15 +510,19 @@ class Target:
         ]
 
     def _decide(
-        self, signatures: list[InputSignature], samples: dict[InputSignature, list[Sample]], dynamic: bool
+        self,
+        signatures: list[InputSignature],
+        samples: dict[InputSignature, list[Sample]],
+        dynamic: bool,
+        started: float | None = None,
     ) -> None:
         """Add a route for `signatures` (one signature, or the shapes of one family when `dynamic`) in the current
-        module state (or an eager one, with the reason)."""
+        module state (or an eager one, with the reason). `started`: when this target's tuning began (its budget)."""
         context = self._context
         described = describe_family(signatures)
         try:
             job = TuningJob(
-                self.module, self.original_forward, samples, context.config, self.unavailable_reason, dynamic=dynamic
+                self.module, self.original_forward, samples, context.config, self.unavailable_reason, dynamic, started
             )
         except NoEvidence as error:
             self._no_evidence = str(error)  # nothing decided: record again, tune when armed again
@@ -579,7 +583,7 @@ class Target:
                 decision = context.strategy.decide(job, context.candidates)
             if entry is not None:
                 stats = entry.cache.stats
-                stats.hits += not new and entry.record is not None
+                stats.hits += decision.report.from_cache is not None  # its own, or its sibling's, from the cache
                 stats.misses += new
                 entry.store(decision, signatures, new_decision=new)
         if key is not None and (shared is None or new):
@@ -617,12 +621,13 @@ class Target:
         owner, decision = shared
         report = job.report
         report.shared_from = owner
+        report.from_cache = decision.report.from_cache
         report.eager_latency_s = decision.report.eager_latency_s
         if decision.backend is None:
             return job.keep_eager(decision.report.reason or "eager kept")
         result, built = job.try_backend(decision.backend)
         if built is None:
-            report.shared_from = None
+            report.shared_from = report.from_cache = None
             report.candidates.clear()
             return None
         original = next(c for c in decision.report.candidates if c.backend == result.backend)
