@@ -7,7 +7,8 @@
 `demo` builds a small pipeline with random weights (nothing is downloaded), tunes its blocks, measures
 eager against tuned whole calls, and checks that the tuned output equals the eager output. `tune` does the
 same for a local Diffusers pipeline or Transformers model folder and writes the report as JSON. `report`
-prints a saved report as a table.
+prints a saved report as a table. `demo` and `tune` run `aitune_hf.session.run_session`, the session that the
+benchmarks and notebooks run too; `--cache-dir` / `--cache` are passed to `enable_aitune(cache_dir=, cache=)`.
 
 Exit codes: 0 success, 1 the tuned output differed from eager (FAIL), 2 a usage error (one line on stderr).
 Only errors that are the user's to fix are one line: an `aitune_hf.errors.AITuneError` (a bad option, value or
@@ -25,14 +26,14 @@ import json
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from aitune_hf.core.config import DEFAULT_TOLERANCES, TuningConfig
+from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.report import TuningReport
+from aitune_hf.core.timing import Stopwatch
 from aitune_hf.errors import AITuneError, UserInputError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -86,17 +87,6 @@ class Workload:
     #: The command-line flags that shaped the call (`tune`): a call that rejects its inputs is then a usage
     #: error naming them. Empty for the demo's own calls, whose failures are bugs.
     call_flags: str = ""
-
-    def measure(self, rounds: int) -> dict[str, Any]:
-        with _inference(self.kind):
-            return self.obj.measure_aitune(**self.call_kwargs, rounds=rounds)
-
-
-def _inference(kind: str) -> Any:
-    """Diffusers pipelines run under no_grad themselves; Transformers models are called under inference_mode."""
-    import torch
-
-    return torch.inference_mode() if kind == "transformers" else contextlib.nullcontext()
 
 
 def _diffusers_workload(folder: Path, call_kwargs: dict[str, Any], seed: int) -> Workload:
@@ -194,93 +184,67 @@ def _parse_targets(text: str, obj: Any) -> Any:
 
 def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
     config: dict[str, Any] = {"progress": not args.no_progress}
-    for name in ("repeats", "warmup", "min_speedup", "strategy"):
+    for name in ("repeats", "warmup", "min_speedup", "strategy", "cache_dir", "cache"):
         value = getattr(args, name, None)
         if value is not None:
             config[name] = value
     return config
 
 
-def _compare(eager: Any, tuned: Any) -> tuple[float, float, bool]:
-    """(max abs diff, atol, within atol) of two whole-call outputs."""
-    import numpy as np
-    import torch
-
-    eager, tuned = np.asarray(eager), np.asarray(tuned)
-    if eager.shape != tuned.shape:
-        return float("inf"), 0.0, False
-    # The whole-call output is held to the same per-dtype atol as each block's check.
-    atol = DEFAULT_TOLERANCES.get(getattr(torch, str(eager.dtype), None), (1e-3, 0.0))[0]
-    diff = float(np.max(np.abs(tuned.astype(np.float64) - eager.astype(np.float64)))) if eager.size else 0.0
-    return diff, atol, bool(np.allclose(tuned, eager, atol=atol, rtol=0.0))
-
-
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
-
-
 def _tune_and_check(work: Workload, args: argparse.Namespace, out: Any) -> tuple[Any, dict[str, Any]]:
-    """Eager call, enable_aitune, recording call, tuning call, measurement, check. Returns (report, facts)."""
+    """One `aitune_hf.session` run (eager call, enable_aitune, recording call, tuning call, tuned call,
+    measurement, check), printed. Returns (report, facts)."""
+    from aitune_hf.session import run_session
+
     say = _printer(out)
     backends = _parse_backends(args.backends)
     targets = _parse_targets(args.targets, work.obj)
     say(f"model: {work.describe}")
-
-    try:
-        eager, eager_s = _timed(work.run)
-    except (TypeError, ValueError) as error:  # before enable_aitune: the library rejected the call's inputs
-        if not work.call_flags or isinstance(error, AITuneError):
-            raise
-        raise UsageError(f"the eager call rejected its inputs (see {work.call_flags}): {_first_line(error)}") from error
     fixed = "fixed seed" if work.kind == "diffusers" else "fixed inputs"
-    say(f"eager call ({fixed}): {eager_s:.3f} s")
 
-    registration = work.obj.enable_aitune(targets, backends=backends, **_config_fields(args))
-    say(f"enable_aitune(targets={targets!r}, backends={backends}): {len(registration.targets)} target(s)")
-    for name, target in registration.targets.items():
-        say(f"  {name} ({type(target.module).__name__})")
+    def run() -> Any:
+        try:
+            return work.run()
+        except (TypeError, ValueError) as error:  # before enable_aitune: the library rejected the call's inputs
+            if work.obj.aitune is not None or not work.call_flags or isinstance(error, AITuneError):
+                raise
+            flags = work.call_flags
+            raise UsageError(f"the eager call rejected its inputs (see {flags}): {_first_line(error)}") from error
 
-    _, recording_s = _timed(work.run)
-    say(f"recording call: {recording_s:.3f} s (targets run eager and record their inputs; tuning is now armed)")
-    say("tuning: in the next call each target builds, checks and times its candidates inside the call's own flow")
-    _, tuning_s = _timed(work.run)
-    extra = 0
-    while not registration.all_tuned and extra < 2:  # a target that did not run in that call tunes in the next
-        _, more = _timed(work.run)
-        tuning_s, extra = tuning_s + more, extra + 1
-    say(f"tuning call: {tuning_s:.1f} s wall ({extra + 1} call(s)); states: {_counts(registration.state_counts)}")
-
-    tuned, tuned_s = _timed(work.run)
-    say(f"tuned call ({fixed}): {tuned_s:.3f} s")
-    rounds = args.rounds
-    say(f"measuring: measure_aitune(rounds={rounds}), eager and tuned whole calls interleaved ...")
-    work.measure(rounds)
-
-    report = registration.report()
-    diff, atol, ok = _compare(eager, tuned)
+    session = run_session(
+        work.obj,
+        run,
+        targets,
+        say=say,
+        inputs=fixed,
+        rounds=args.rounds,
+        call_kwargs=work.call_kwargs,
+        backends=backends,
+        **_config_fields(args),
+    )
+    report = session.report
     say("")
     say(str(report))
     if args.details:
         say("")
         say(details(report.to_dict()))
     say("")
-    say(f"tuning: {tuning_s:.1f} s wall in the tuning call; {report.tuning_seconds:.1f} s summed over targets")
     say(
-        f"check: tuned output vs eager output, {fixed}: max abs diff {diff:.3g} "
-        f"(atol {atol:g}): {'PASS' if ok else 'FAIL'}"
+        f"tuning: {session.tuning_call_seconds:.1f} s wall in the tuning call; prepare {session.prepare_seconds:.1f} s "
+        f"(enable_aitune, recording and tuning calls); {report.tuning_seconds:.1f} s summed over targets"
     )
+    say(
+        f"check: tuned output vs eager output, {fixed}: max abs diff {session.max_abs_diff:.3g} "
+        f"(atol {session.atol:g}): {'PASS' if session.passed else 'FAIL'}"
+    )
+    config = session.registration.config
     facts = {
         **work.facts,
         "threads": args.threads,
-        "targets": targets if isinstance(targets, str) else list(targets),
         "backends": backends,
-        "eager_call_seconds": eager_s,
-        "tuning_call_seconds": tuning_s,
-        "max_abs_diff": diff,
-        "atol": atol,
-        "passed": ok,
+        "cache_dir": None if config.cache_dir is None else str(config.cache_dir),
+        "cache": config.cache,
+        **session.facts(),
     }
     return report, facts
 
@@ -318,27 +282,28 @@ def cmd_demo(args: argparse.Namespace, out: Any) -> int:
     _check_writable(args.json)
     from aitune_hf import testing
 
-    started = time.perf_counter()
-    say(f"aitune-hf demo: family {args.family}, size {args.size}, backends {args.backends}")
-    say(threads_line)
-    with tempfile.TemporaryDirectory(prefix="aitune_hf_demo_") as tmp:
-        if args.family == "minilm":
-            folder = testing.minilm_path()
-            count = 2 if args.size == "tiny" else len(SENTENCES)
-            work = _transformers_workload(folder, SENTENCES[:count])
-            work.describe = f"real all-MiniLM-L6-v2 weights ({work.describe})"
-        else:
-            (folder, build_s) = _timed(lambda: testing.build_pipeline(args.family, Path(tmp) / args.family, args.size))
-            say(f"built a random {args.family} pipeline ({args.size}) in {build_s:.1f} s at {folder}")
-            work = _diffusers_workload(folder, testing.default_call_kwargs(args.family, args.size), 0)
-            call = ", ".join(f"{k}={v!r}" for k, v in work.call_kwargs.items() if k != "output_type")
-            say(f"call: {call}")
-        work.facts = {"command": "demo", "family": args.family, "size": args.size}
-        report, facts = _tune_and_check(work, args, out)
-        if args.json:
-            say(f"report JSON written to {_write_json(report, facts, args.json)}")
-        work.obj.disable_aitune()
-    say(f"demo took {time.perf_counter() - started:.1f} s")
+    with Stopwatch() as watch:  # the whole demo
+        say(f"aitune-hf demo: family {args.family}, size {args.size}, backends {args.backends}")
+        say(threads_line)
+        with tempfile.TemporaryDirectory(prefix="aitune_hf_demo_") as tmp:
+            if args.family == "minilm":
+                folder = testing.minilm_path()
+                count = 2 if args.size == "tiny" else len(SENTENCES)
+                work = _transformers_workload(folder, SENTENCES[:count])
+                work.describe = f"real all-MiniLM-L6-v2 weights ({work.describe})"
+            else:
+                with Stopwatch() as build:
+                    folder = testing.build_pipeline(args.family, Path(tmp) / args.family, args.size)
+                say(f"built a random {args.family} pipeline ({args.size}) in {build.seconds:.1f} s at {folder}")
+                work = _diffusers_workload(folder, testing.default_call_kwargs(args.family, args.size), 0)
+                call = ", ".join(f"{k}={v!r}" for k, v in work.call_kwargs.items() if k != "output_type")
+                say(f"call: {call}")
+            work.facts = {"command": "demo", "family": args.family, "size": args.size}
+            report, facts = _tune_and_check(work, args, out)
+            if args.json:
+                say(f"report JSON written to {_write_json(report, facts, args.json)}")
+            work.obj.disable_aitune()
+    say(f"demo took {watch.seconds:.1f} s")
     return EXIT_OK if facts["passed"] else EXIT_FAIL
 
 
@@ -483,10 +448,6 @@ def _printer(out: Any) -> Callable[[str], None]:
     return say
 
 
-def _counts(counts: dict[str, int]) -> str:
-    return ", ".join(f"{state} {n}" for state, n in sorted(counts.items()))
-
-
 def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
@@ -559,6 +520,17 @@ def _add_tuning_options(parser: argparse.ArgumentParser, rounds: int) -> None:
         type=_positive,
         default=rounds,
         help=f"interleaved eager/tuned whole-call rounds for the end-to-end measurement (default {rounds})",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where tuning decisions and artifacts persist across runs: a folder or an fsspec URL "
+        "(default: TuningConfig's, under the user's cache folder)",
+    )
+    parser.add_argument(
+        "--cache",
+        choices=("rw", "ro", "off"),
+        help="rw: reuse entries and write new ones (default); ro: reuse, never write; off: no cache",
     )
     parser.add_argument("--threads", type=_positive, default=1, help="torch.set_num_threads(N) (default 1)")
     parser.add_argument("--details", action="store_true", help="also print every candidate, with full error texts")

@@ -22,11 +22,13 @@ QUICK = ["--repeats", "3", "--warmup", "1", "--rounds", "2", "--no-progress"]
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path, int]:
-    """One tiny demo run: (exit code, stdout, the --json path, torch threads before it)."""
+    """One tiny demo run: (exit code, stdout, the --json path, torch threads before it), with an empty cache
+    folder of its own (`--cache-dir`: the folder next to the JSON)."""
     path = tmp_path_factory.mktemp("cli") / "report.json"
     out = io.StringIO()
     threads = torch.get_num_threads()
     argv = ["demo", "--family", "sd", "--size", "tiny", "--backends", "onnxruntime", *QUICK, "--json", str(path)]
+    argv += ["--cache-dir", str(path.parent / "cache")]
     code = main(argv, stdout=out)
     return code, out.getvalue(), path, threads
 
@@ -52,6 +54,7 @@ def test_demo_tunes_checks_and_reports(demo) -> None:
     assert "onnxruntime" in out
     assert "PASS" in out and "FAIL" not in out
     assert "tuning:" in out
+    assert "prepare" in out  # enable_aitune + recording + tuning calls, from aitune_hf.session
 
 
 def test_demo_leaves_the_thread_count_as_it_was(demo) -> None:
@@ -65,6 +68,18 @@ def test_demo_json_has_report_and_facts(demo) -> None:
     assert "unet.mid_block" in data["modules"]
     assert data["family"] == "sd" and data["size"] == "tiny" and data["threads"] == 1
     assert data["max_abs_diff"] <= 1e-3 and data["passed"] is True
+    assert data["cache_dir"] == str(path.parent / "cache") and data["cache"] == "rw"  # --cache-dir passed through
+    assert data["prepare_seconds"] >= data["tuning_call_seconds"] > 0
+
+
+def test_cache_options_reach_the_config_only_when_given() -> None:
+    from aitune_hf.cli import _config_fields, build_parser
+
+    parser = build_parser()
+    fields = _config_fields(parser.parse_args(["demo"]))
+    assert "cache_dir" not in fields and "cache" not in fields  # TuningConfig's defaults apply
+    args = parser.parse_args(["tune", "x", "--cache-dir", "memory://aitune", "--cache", "ro"])
+    assert _config_fields(args)["cache_dir"] == "memory://aitune" and _config_fields(args)["cache"] == "ro"
 
 
 def test_report_prints_the_saved_json(demo, capsys: pytest.CaptureFixture[str]) -> None:
@@ -82,10 +97,9 @@ def test_report_round_trips_the_table(demo, capsys: pytest.CaptureFixture[str]) 
 
     _, _, path, _ = demo
     data = json.loads(path.read_text())
-    rebuilt = TuningReport.from_dict(data)
-    assert json.loads(rebuilt.to_json()) == {
-        k: data[k] for k in ("end_to_end", "tuning_seconds", "modules", "descended")
-    }
+    rebuilt = json.loads(TuningReport.from_dict(data).to_json())
+    assert {"end_to_end", "tuning_seconds", "modules", "descended"} <= set(rebuilt)
+    assert rebuilt == {k: data[k] for k in rebuilt}  # every field of the report, whatever the report holds
 
 
 @pytest.mark.parametrize(
@@ -98,6 +112,8 @@ def test_report_round_trips_the_table(demo, capsys: pytest.CaptureFixture[str]) 
         (["demo", "--threads", "0"], "expected a number >= 1"),
         (["demo", "--min-speedup", "nan"], "TuningConfig.min_speedup must be a finite number >= 0, got nan"),
         (["demo", "--warmup", "-1"], "TuningConfig.warmup must be an int >= 0, got -1"),
+        (["demo", "--cache", "sometimes"], "argument --cache: invalid choice: 'sometimes'"),
+        (["tune", "/nonexistent/aitune_hf_folder", "--cache", "w"], "argument --cache: invalid choice: 'w'"),
         (["frobnicate"], "invalid choice"),
     ],
 )
@@ -198,12 +214,13 @@ def test_tune_one_named_target_writes_the_report(sd_folder: Path, tmp_path: Path
     report = tmp_path / "r.json"
     out = io.StringIO()
     argv = ["tune", str(sd_folder), "--steps", "2", "--height", "64", "--width", "64"]
-    argv += ["--targets", "unet.mid_block", "--backends", "onnxruntime", "--min-speedup", "0"]
+    argv += ["--targets", "unet.mid_block", "--backends", "onnxruntime", "--min-speedup", "0", "--cache", "off"]
     assert main([*argv, *QUICK, "--report", str(report)], stdout=out) == 0, out.getvalue()
     data = json.loads(report.read_text())
     assert list(data["modules"]) == ["unet.mid_block"]
     assert data["modules"]["unet.mid_block"]["state"] == "tuned"
     assert data["kind"] == "diffusers" and data["passed"] is True
+    assert data["cache"] == "off"
     assert "PASS" in out.getvalue()
 
 

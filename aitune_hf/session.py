@@ -1,0 +1,231 @@
+"""One tuning session: the flow that `aitune-hf demo` / `tune`, `benchmarks/pipelines.py` and the notebooks run.
+
+Given an object with the aitune mixin (a Diffusers pipeline or a Transformers model loaded through
+`AITunePipeline` / `AITuneModel`) and `run()`, one whole call of it with fixed inputs that returns a numpy
+array, `run_session` makes:
+
+1. the eager call (timed; its output is the reference), unless the caller passes `reference`;
+2. `obj.enable_aitune(targets, **enable_kwargs)`;
+3. the recording call (every target runs eager and records its inputs; the mixin arms tuning at its end);
+4. the tuning call, and at most `max_extra_calls` more while `registration.all_tuned` is False (a target that
+   did not run in a call tunes in the next; `targets="auto"` records and tunes the blocks of the components
+   that stayed eager in two more calls);
+5. the tuned call (timed; its output is checked against the reference);
+6. optionally `obj.measure_aitune(**call_kwargs, rounds=rounds)`: interleaved eager and tuned whole calls,
+   recorded in the report as the end-to-end speed-up.
+
+Every duration comes from `aitune_hf.core.timing.Stopwatch`. `prepare_seconds` is the wall time from
+`enable_aitune` until the object is tuned (enable + recording call + tuning calls): what a user waits before the
+first tuned call, and the figure a warm start (a filled `cache_dir`) shortens.
+
+Example (a tiny random pipeline; nothing is downloaded):
+
+    import torch
+    from aitune_hf import AITunePipeline, testing
+    from aitune_hf.session import run_session
+
+    pipe = AITunePipeline.from_pretrained(testing.build_pipeline("sd", "/tmp/sd_tiny"))
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = {**testing.default_call_kwargs("sd"), "output_type": "np"}
+
+    def run():
+        return pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
+
+    session = run_session(pipe, run, "blocks", backends=["onnxruntime"], rounds=3, call_kwargs=kwargs, say=print)
+    print(session.report)  # led by the measured end-to-end speed-up
+    print(session.passed, session.max_abs_diff, session.prepare_seconds)
+
+Known blind spots: `run()` must be deterministic (a fixed seed, fixed inputs), or the check compares two
+different calls; the eager and tuned calls are each timed once (use `measure_aitune` rounds, or the
+benchmarks, for a latency to trust).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aitune_hf.core.config import DEFAULT_TOLERANCES
+from aitune_hf.core.timing import Stopwatch
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from aitune_hf.core.registration import Registration
+    from aitune_hf.core.report import TuningReport
+
+#: enable_aitune arguments named in the progress line "enable_aitune(...)" when given.
+_SHOWN = ("backends", "strategy", "cache_dir", "cache")
+
+
+@dataclass
+class SessionResult:
+    """What one session did and measured. Seconds are wall time (`Stopwatch`); calls include their own eager
+    work, so `prepare_seconds` is what a user waits, not what tuning alone costs (`report.tuning_seconds`)."""
+
+    registration: Registration
+    report: TuningReport  # taken after the measurement, so it holds the end-to-end line when rounds > 0
+    targets: Any  # as passed to enable_aitune
+    eager_output: np.ndarray  # the reference: the eager call's output, or the `reference` passed in
+    tuned_output: np.ndarray
+    eager_call_seconds: float | None  # None when the caller passed `reference` (no eager call was made)
+    enable_seconds: float
+    recording_call_seconds: float
+    tuning_call_seconds: float  # every tuning call together
+    tuning_calls: int
+    tuned_call_seconds: float
+    prepare_seconds: float  # enable + recording call + tuning calls: from enable_aitune until tuned
+    end_to_end: dict[str, Any] | None  # what measure_aitune returned; None without rounds, or when not all tuned
+    max_abs_diff: float
+    atol: float
+    passed: bool
+
+    def facts(self) -> dict[str, Any]:
+        """The session's numbers as JSON-ready facts (the CLI adds them to the report JSON)."""
+        return {
+            "targets": self.targets if isinstance(self.targets, str) else list(self.targets),
+            "eager_call_seconds": self.eager_call_seconds,
+            "recording_call_seconds": self.recording_call_seconds,
+            "tuning_call_seconds": self.tuning_call_seconds,
+            "tuning_calls": self.tuning_calls,
+            "tuned_call_seconds": self.tuned_call_seconds,
+            "prepare_seconds": self.prepare_seconds,
+            "max_abs_diff": self.max_abs_diff,
+            "atol": self.atol,
+            "passed": self.passed,
+        }
+
+
+def run_session(
+    obj: Any,
+    run: Callable[[], Any],
+    targets: Any = "blocks",
+    *,
+    say: Callable[[str], None] | None = None,
+    inputs: str = "fixed inputs",
+    reference: Any = None,
+    max_extra_calls: int = 2,
+    rounds: int = 0,
+    call_kwargs: Mapping[str, Any] | None = None,
+    **enable_kwargs: Any,
+) -> SessionResult:
+    """Eager call, enable_aitune, recording call, tuning call(s), tuned call, optional measurement, check.
+
+    Args:
+        obj: a pipeline or model with the aitune mixin, aitune not yet enabled.
+        run: one whole call of `obj` with fixed inputs (a fixed seed), returning a numpy array (or what
+            `numpy.asarray` takes).
+        targets, enable_kwargs: passed to `obj.enable_aitune` (`backends=`, `cache_dir=`, `cache=`, any
+            `TuningConfig` field, `tune_after_calls=None` to arm by `registration.tune()` here).
+        say: called with each progress line (the lines `aitune-hf` prints); None: silent.
+        inputs: how the progress lines name the inputs ("fixed seed" for a pipeline).
+        reference: the eager output when the caller already has it; the eager call is then skipped.
+        max_extra_calls: tuning calls beyond the first while some target has not reached a decision.
+        rounds, call_kwargs: `obj.measure_aitune(**call_kwargs, rounds=rounds)` when rounds > 0 (a torch module
+            is measured under `torch.inference_mode()`, as Transformers models are called).
+
+    Errors raised by `run` or `enable_aitune` propagate; before `enable_aitune` nothing was changed, after it
+    `obj` keeps its aitune registration (call `obj.disable_aitune()`).
+    """
+    import numpy as np
+
+    say = say or (lambda text: None)
+    if reference is None:
+        with Stopwatch() as watch:
+            reference = run()
+        eager_call_seconds: float | None = watch.seconds
+        say(f"eager call ({inputs}): {watch.seconds:.3f} s")
+    else:
+        eager_call_seconds = None
+    eager_output = np.asarray(reference)
+
+    manual = "tune_after_calls" in enable_kwargs and enable_kwargs["tune_after_calls"] is None
+    with Stopwatch() as prepare:
+        with Stopwatch() as enable:
+            registration = obj.enable_aitune(targets, **enable_kwargs)
+        shown = "".join(f", {k}={enable_kwargs[k]!r}" for k in _SHOWN if enable_kwargs.get(k) is not None)
+        say(f"enable_aitune(targets={targets!r}{shown}): {len(registration.targets)} target(s)")
+        for name, target in registration.targets.items():
+            say(f"  {name} ({type(target.module).__name__})")
+
+        with Stopwatch() as recording:
+            run()
+        say(
+            f"recording call: {recording.seconds:.3f} s "
+            "(targets run eager and record their inputs; tuning is now armed)"
+        )
+        say("tuning: in the next call each target builds, checks and times its candidates inside the call's own flow")
+        tuning_call_seconds, calls = 0.0, 0
+        while calls == 0 or (not registration.all_tuned and calls <= max_extra_calls):
+            if manual and not any(t.armed for t in registration.targets.values()):
+                registration.tune()
+            with Stopwatch() as tuning:
+                run()
+            tuning_call_seconds, calls = tuning_call_seconds + tuning.seconds, calls + 1
+    say(
+        f"tuning call: {tuning_call_seconds:.1f} s wall ({calls} call(s)); "
+        f"states: {format_counts(registration.state_counts)}"
+    )
+
+    with Stopwatch() as tuned:
+        tuned_output = np.asarray(run())
+    say(f"tuned call ({inputs}): {tuned.seconds:.3f} s")
+
+    end_to_end = None
+    if rounds > 0 and registration.all_tuned:
+        say(f"measuring: measure_aitune(rounds={rounds}), eager and tuned whole calls interleaved ...")
+        with _inference(obj):
+            end_to_end = obj.measure_aitune(**(call_kwargs or {}), rounds=rounds)
+    elif rounds > 0:
+        say(f"measuring skipped: not every target reached a decision ({format_counts(registration.state_counts)})")
+
+    diff, atol, passed = compare(eager_output, tuned_output)
+    return SessionResult(
+        registration=registration,
+        report=registration.report(),
+        targets=targets,
+        eager_output=eager_output,
+        tuned_output=tuned_output,
+        eager_call_seconds=eager_call_seconds,
+        enable_seconds=enable.seconds,
+        recording_call_seconds=recording.seconds,
+        tuning_call_seconds=tuning_call_seconds,
+        tuning_calls=calls,
+        tuned_call_seconds=tuned.seconds,
+        prepare_seconds=prepare.seconds,
+        end_to_end=end_to_end,
+        max_abs_diff=diff,
+        atol=atol,
+        passed=passed,
+    )
+
+
+def compare(eager: Any, tuned: Any) -> tuple[float, float, bool]:
+    """(max abs diff, atol, within atol) of two whole-call outputs.
+
+    The whole-call output is held to the same per-dtype atol as each block's check (rtol 0); outputs of
+    different shapes differ by infinity."""
+    import numpy as np
+    import torch
+
+    eager, tuned = np.asarray(eager), np.asarray(tuned)
+    if eager.shape != tuned.shape:
+        return float("inf"), 0.0, False
+    atol = DEFAULT_TOLERANCES.get(getattr(torch, str(eager.dtype), None), (1e-3, 0.0))[0]
+    diff = float(np.max(np.abs(tuned.astype(np.float64) - eager.astype(np.float64)))) if eager.size else 0.0
+    return diff, atol, bool(np.allclose(tuned, eager, atol=atol, rtol=0.0))
+
+
+def format_counts(counts: Mapping[str, int]) -> str:
+    """Target states as one line: "eager 1, tuned 12"."""
+    return ", ".join(f"{state} {n}" for state, n in sorted(counts.items()))
+
+
+def _inference(obj: Any) -> Any:
+    """Models (torch modules) are measured under inference_mode, as they are called; pipelines run under
+    no_grad themselves."""
+    import torch
+
+    return torch.inference_mode() if isinstance(obj, torch.nn.Module) else contextlib.nullcontext()
