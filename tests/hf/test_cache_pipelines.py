@@ -1,0 +1,58 @@
+"""The persistent cache under a real Diffusers pipeline: a pipeline loaded again starts warm (every block's decision
+and ONNX model from the cache), FreeU (guarded state) is another entry, and images equal eager's each time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from aitune_hf import AITunePipeline
+from tests.hf.conftest import QUICK, run
+
+ORT = {**QUICK, "backends": ["onnxruntime"], "min_speedup": 0.0}
+BLOCKS = ["unet.down_blocks.0", "unet.down_blocks.1", "unet.up_blocks.0", "unet.up_blocks.1", "vae.decoder.mid_block"]
+
+
+def _pipe(folder: Path) -> AITunePipeline:
+    pipe = AITunePipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _tuned_images(pipe: AITunePipeline, cache: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(eager images, images served after recording and tuning with the cache at `cache`)."""
+    expected = run(pipe, "sd")
+    registration = pipe.enable_aitune(BLOCKS, cache_dir=cache, **ORT)
+    run(pipe, "sd")
+    run(pipe, "sd")
+    assert registration.all_tuned, registration.report()
+    return expected, run(pipe, "sd")
+
+
+def test_a_pipeline_loaded_again_starts_warm_and_freeu_is_another_entry(pipeline_folders, tmp_path) -> None:
+    cache = tmp_path / "cache"
+    cold = _pipe(pipeline_folders["sd"])
+    expected, images = _tuned_images(cold, cache)
+    np.testing.assert_allclose(images, expected, atol=2e-3)
+    cold_stats = cold.aitune.cache.stats
+    assert cold_stats.hits == 0 and cold_stats.misses == len(BLOCKS)
+    cold.disable_aitune()
+
+    warm = _pipe(pipeline_folders["sd"])
+    expected, images = _tuned_images(warm, cache)
+    np.testing.assert_allclose(images, expected, atol=2e-3)
+    stats = warm.aitune.cache.stats
+    assert (stats.hits, stats.misses, stats.artifacts_loaded, stats.written) == (len(BLOCKS), 0, len(BLOCKS), 0)
+    for target in warm.aitune.targets.values():
+        (signature,) = target.report().signatures
+        assert signature.from_cache and [c.backend for c in signature.candidates] == ["onnxruntime"]
+    warm.disable_aitune()
+
+    freeu = _pipe(pipeline_folders["sd"])
+    freeu.enable_freeu(s1=0.9, s2=0.2, b1=1.2, b2=1.4)  # attributes on the up blocks: another guarded state
+    expected, images = _tuned_images(freeu, cache)
+    np.testing.assert_allclose(images, expected, atol=2e-3)
+    stats = freeu.aitune.cache.stats
+    assert (stats.hits, stats.misses) == (len(BLOCKS) - 2, 2), stats  # the two up blocks are tuned afresh
+    freeu.disable_aitune()
