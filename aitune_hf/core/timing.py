@@ -1,21 +1,193 @@
-"""The one timer: interleaved rounds, warm-up, medians; synchronised when CUDA tensors are involved."""
+"""The one timer: interleaved rounds, warm-up, medians, and a sequential rule that stops timing once a speed-up is
+decided; synchronised when CUDA tensors are involved. Nothing else in aitune_hf reads a clock for tuning: deadlines
+use `clock()`, durations `Stopwatch`."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
+#: Timed rounds before the sequential rule may stop (fewer cannot settle anything at the default confidence).
+MIN_ROUNDS = 5
+#: One-sided confidence of each bound the sequential rule uses.
+CONFIDENCE = 0.95
+
+
+_now = time.perf_counter  # the clock itself: monotonic, high resolution (tests put a scripted clock here)
+
+
+def clock() -> float:
+    """Seconds on the timer's clock (monotonic): the reference for deadlines; `Stopwatch.start` is on it too."""
+    return _now()
+
 
 def _synchronize(devices: Sequence[torch.device]) -> None:
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+
+@dataclass
+class Timing:
+    """What `time_until_settled` measured.
+
+    `speedups[name]` is the median over timed rounds of (baseline's time / name's time) in the same round (drift in
+    the machine's speed cancels within a round), `bounds[name]` its (lower, upper) confidence bounds by the sign
+    test (`median_bounds`); both are empty without a baseline. `seconds[name]` is how long `name` ran, warm-up
+    included (not the copies of inputs made between runs). `stopped` says why timing ended: "settled" (the rule
+    decided every candidate), "max_rounds", or "deadline".
+    """
+
+    latencies: dict[str, float]
+    failures: dict[str, Exception]
+    rounds: int
+    stopped: str
+    speedups: dict[str, float] = field(default_factory=dict)
+    bounds: dict[str, tuple[float, float]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def median_bounds(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Distribution-free one-sided confidence bounds of the median of `values` (the sign test's order statistics).
+
+    With n values sorted v_(1) <= ... <= v_(n) and k the largest integer with P[Binomial(n, 1/2) <= k - 1] <=
+    1 - confidence, the bounds are (v_(k), v_(n+1-k)): for independent draws, the true median is below the lower
+    bound (or above the upper one) with probability at most 1 - confidence. Where no k >= 1 exists (n < 5 at 0.95),
+    nothing is known: (0, inf).
+    """
+    n = len(values)
+    alpha = 1.0 - confidence
+    k, below = 0, 0.0  # below = P[X <= k - 1]
+    while k < n:
+        with_k = below + math.comb(n, k) / 2**n  # P[X <= k]
+        if with_k > alpha:
+            break
+        below, k = with_k, k + 1
+    if k == 0:
+        return 0.0, math.inf
+    ordered = sorted(values)
+    return ordered[k - 1], ordered[n - k]
+
+
+def time_until_settled(
+    candidates: Mapping[str, Callable[..., Any]],
+    calls: Sequence[Call] | Callable[[], Sequence[Call]],
+    devices: Sequence[torch.device] = (),
+    warmup: int = 2,
+    max_rounds: int = 15,
+    baseline: str | None = None,
+    thresholds: Sequence[float] = (),
+    min_rounds: int = MIN_ROUNDS,
+    confidence: float = CONFIDENCE,
+    deadline: float | None = None,
+) -> Timing:
+    """Time `candidates` side by side over `calls`, round after round, until the speed-up of each one against
+    `baseline` is decided against every threshold, and at most `max_rounds` timed rounds.
+
+    Rounds: every live candidate runs all `calls` once per round, taking turns (who goes first rotates each round),
+    so drift in the machine's speed hits all of them alike. The first `warmup` rounds are not timed. A candidate that
+    raises is dropped from later rounds and returned in `failures`; the `baseline` raising propagates. `calls` may be
+    a function that returns fresh calls: it runs before each run, outside the clock (inputs that a call mutates, such
+    as a KV cache, start each run from the recorded state).
+
+    The sequential rule. For a candidate c and timed round i let q_i = t_i(baseline) / t_i(c), the paired speed-up in
+    that round; its estimate is the median of q_1..q_n and its bounds (lo, hi) are the sign test's (`median_bounds`
+    at `confidence`). c is *settled* against a threshold s when lo > s (faster than s with confidence) or hi < s
+    (slower); a ratio within noise of s leaves lo <= s <= hi, and timing goes on. c is *decided* when it is settled
+    against every threshold, or when another candidate d that is settled above every threshold is faster than c
+    with confidence (the sign test's lower bound of the median of t_i(c) / t_i(d) exceeds 1): c can then no longer
+    be the choice. Timing stops after round n when n >= `min_rounds` and every live candidate is decided; else at
+    `max_rounds`; else, once at least one round is timed, at the first round that ends past `deadline` (a `clock()`
+    value). At confidence 0.95 the earliest stop is 5 rounds that all fall on one side of each threshold; one round
+    on the other side needs 8, two need 11 (at most `max_rounds`). With no `thresholds` or no `baseline` it always
+    times `max_rounds` rounds (fixed repeats). The rule's looks at every round add up to more than 1 - confidence of
+    false stops when a ratio sits right at a threshold; there the two choices differ by less than the noise.
+    """
+    make_calls = calls if callable(calls) else lambda: calls
+    names = list(candidates)
+    failures: dict[str, Exception] = {}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    seconds: dict[str, float] = dict.fromkeys(names, 0.0)
+    per_call = 1
+    rounds, stopped = 0, "max_rounds"
+    for r in range(warmup + max_rounds):
+        live = [name for name in names if name not in failures]
+        shift = r % len(live)
+        for name in live[shift:] + live[:shift]:
+            try:
+                batch = make_calls()
+                per_call = max(len(batch), 1)
+                elapsed = _run_round(candidates[name], batch, devices, seconds, name)
+            except Exception as error:
+                if name == baseline:
+                    raise
+                failures[name] = error
+                continue
+            if r >= warmup:
+                times[name].append(elapsed)
+        if r < warmup:
+            continue
+        rounds += 1
+        if rounds >= min_rounds and _decided(times, failures, baseline, thresholds, confidence):
+            stopped = "settled"
+            break
+        if rounds >= max_rounds:
+            break
+        if deadline is not None and clock() >= deadline:
+            stopped = "deadline"
+            break
+    kept = {name: t for name, t in times.items() if name not in failures}
+    timing = Timing(
+        latencies={name: statistics.median(t) / per_call for name, t in kept.items()},
+        failures=failures,
+        rounds=rounds,
+        stopped=stopped,
+        seconds=seconds,
+    )
+    if baseline is not None:
+        for name in kept:
+            if name != baseline:
+                ratios = _ratios(times[baseline], times[name])
+                timing.speedups[name] = statistics.median(ratios)
+                timing.bounds[name] = median_bounds(ratios, confidence)
+    return timing
+
+
+def _ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
+    return [a / b if b > 0 else math.inf for a, b in zip(numerator, denominator, strict=True)]
+
+
+def _decided(
+    times: dict[str, list[float]],
+    failures: dict[str, Exception],
+    baseline: str | None,
+    thresholds: Sequence[float],
+    confidence: float,
+) -> bool:
+    """The sequential rule's stopping test (see `time_until_settled`)."""
+    if baseline is None or not thresholds:
+        return False
+    live = [name for name in times if name != baseline and name not in failures]
+    bounds = {name: median_bounds(_ratios(times[baseline], times[name]), confidence) for name in live}
+    settled = {name: all(lo > s or hi < s for s in thresholds) for name, (lo, hi) in bounds.items()}
+    winners = [name for name in live if bounds[name][0] > max(thresholds)]
+    for name in live:
+        if settled[name]:
+            continue
+        beaten = any(
+            median_bounds(_ratios(times[name], times[other]), confidence)[0] > 1.0 for other in winners if other != name
+        )
+        if not beaten:
+            return False
+    return True
 
 
 def time_interleaved(
@@ -26,54 +198,49 @@ def time_interleaved(
     repeats: int = 15,
     baseline: str | None = None,
 ) -> tuple[dict[str, float], dict[str, Exception]]:
-    """Median seconds per call of each candidate over `calls`, and the candidates that raised.
-
-    Candidates take turns in each round (rotating who goes first), so drift in the machine's speed hits
-    all of them alike: the ratio of two medians is then a fair side-by-side comparison. A candidate that
-    raises is dropped from later rounds and returned in the second dict; the `baseline` raising propagates.
-    `calls` may be a function that returns fresh calls: it runs before each round, outside the clock (inputs
-    that a call mutates, such as a KV cache, start each round from the recorded state).
-    """
-    make_calls = calls if callable(calls) else lambda: calls
-    names = list(candidates)
-    failures: dict[str, Exception] = {}
-    rounds: dict[str, list[float]] = {name: [] for name in names}
-    per_call = 1
-    for r in range(warmup + repeats):
-        live = [name for name in names if name not in failures]
-        shift = r % len(live)
-        for name in live[shift:] + live[:shift]:
-            try:
-                batch = make_calls()
-                per_call = max(len(batch), 1)
-                seconds = _run_round(candidates[name], batch, devices)
-            except Exception as error:
-                if name == baseline:
-                    raise
-                failures[name] = error
-                continue
-            if r >= warmup:
-                rounds[name].append(seconds)
-    latencies = {name: statistics.median(times) / per_call for name, times in rounds.items() if name not in failures}
-    return latencies, failures
+    """Median seconds per call of each candidate over `calls` in `repeats` timed rounds, and the candidates that
+    raised: `time_until_settled` with fixed repeats (no sequential rule)."""
+    timing = time_until_settled(candidates, calls, devices, warmup, repeats, baseline)
+    return timing.latencies, timing.failures
 
 
-def _run_round(fn: Callable[..., Any], calls: Sequence[Call], devices: Sequence[torch.device]) -> float:
+def _run_round(
+    fn: Callable[..., Any],
+    calls: Sequence[Call],
+    devices: Sequence[torch.device],
+    seconds: dict[str, float],
+    name: str,
+) -> float:
     _synchronize(devices)
-    start = time.perf_counter()
-    for args, kwargs in calls:
-        fn(*args, **kwargs)
-    _synchronize(devices)
-    return time.perf_counter() - start
+    start = _now()
+    try:
+        for args, kwargs in calls:
+            fn(*args, **kwargs)
+        _synchronize(devices)
+    finally:
+        elapsed = _now() - start
+        seconds[name] += elapsed
+    return elapsed
 
 
 class Stopwatch:
-    """`with Stopwatch() as sw: ...; sw.seconds` — wall time of a block."""
+    """`with Stopwatch() as sw: ...; sw.seconds` — wall time of a block (`start` is a `clock()` value).
+
+    With `devices`, CUDA devices among them are synchronised on entry and exit, so queued GPU work is counted.
+    `seconds` is 0.0 until the block ends, and is set even when the block raises.
+    """
+
+    def __init__(self, devices: Sequence[torch.device] = ()) -> None:
+        self.devices = devices
+        self.start = 0.0
+        self.seconds = 0.0
 
     def __enter__(self) -> Stopwatch:
-        self.start = time.perf_counter()
+        _synchronize(self.devices)
+        self.start = clock()
         self.seconds = 0.0
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.seconds = time.perf_counter() - self.start
+        _synchronize(self.devices)
+        self.seconds = clock() - self.start
