@@ -15,16 +15,24 @@ class CandidateResult:
     """One backend tried on one signature."""
 
     backend: str
-    build_seconds: float | None = None
-    latency_s: float | None = None
+    build_seconds: float | None = None  # building it, failed builds included
+    latency_s: float | None = None  # median seconds per call over the timed rounds
     max_abs_error: float | None = None
     error: str | None = None  # why it failed, summarised as its cause (aitune_hf.core.reasons.summarize)
     speedup: float | None = None  # eager latency / this latency
     details: str | None = None  # the full text behind `error` when an exception caused it (every chained cause)
+    check_seconds: float | None = None  # running it on every recorded call and comparing with eager
+    timing_seconds: float | None = None  # its timed runs plus its share of eager's runs timed beside it
+    rounds: int | None = None  # timed rounds (the sequential rule stops once its speed-up is decided)
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def seconds(self) -> float:
+        """Tuning seconds spent on this candidate: build, check and timing."""
+        return sum(s or 0.0 for s in (self.build_seconds, self.check_seconds, self.timing_seconds))
 
 
 @dataclass
@@ -44,6 +52,7 @@ class SignatureReport:
     shape_checks: int = 0  # one-time checks against eager of new shapes (a polymorphic build), and their cost
     shape_check_seconds: float = 0.0
     shapes_rejected: list[str] = field(default_factory=list)  # new shapes whose check failed (they run eager)
+    reference_seconds: float = 0.0  # computing eager's reference outputs for the checks
 
     @property
     def chosen_latency_s(self) -> float | None:
@@ -53,7 +62,9 @@ class SignatureReport:
 
     @property
     def speedup(self) -> float | None:
-        return _ratio(self.eager_latency_s, self.chosen_latency_s)
+        """The chosen candidate's speed-up as measured (median of per-round paired ratios), else the latency ratio."""
+        chosen = next((c for c in self.candidates if c.backend == self.chosen and c.speedup is not None), None)
+        return chosen.speedup if chosen is not None else _ratio(self.eager_latency_s, self.chosen_latency_s)
 
 
 @dataclass
@@ -99,9 +110,16 @@ class ModuleReport:
         ]
         return max(errors) if errors else None  # eager kept: nothing to compare
 
+    def seconds_split(self) -> dict[str, dict[str, float]]:
+        """Tuning seconds by backend and phase: {backend: {"build_s", "check_s", "timing_s"}}, plus {"eager":
+        {"reference_s"}} for eager's reference outputs. What is left of `tuning_seconds` went to bookkeeping (and to
+        builds a shared or cached decision discarded when they failed)."""
+        return _split(self.signatures)
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.update(
+            seconds_split=self.seconds_split(),
             backend=self.backend,
             eager_latency_s=self.eager_latency_s,
             tuned_latency_s=self.tuned_latency_s,
@@ -172,6 +190,18 @@ class TuningReport:
             f"targets: {len(self.modules)} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); "
             f"tuning {self.tuning_seconds:.1f} s"
         ]
+        split = self.seconds_split()
+        if split:
+            parts = []
+            for backend, phases in split.items():
+                if backend == "eager":
+                    parts.append(f"eager references {phases['reference_s']:.1f}")
+                else:
+                    parts.append(
+                        f"{backend} build {phases['build_s']:.1f} + check {phases['check_s']:.1f} "
+                        f"+ timing {phases['timing_s']:.1f}"
+                    )
+            lines.append(f"tuning seconds: {'; '.join(parts)}")
         for name, report in self.descended.items():
             lines.append(f"descended into {name} ({report.module_class}): as a whole it stayed eager: {report.reason}")
         if self.end_to_end:
@@ -181,7 +211,32 @@ class TuningReport:
                 f"end to end: eager {_ms(e2e.get('eager_s'))} ms -> tuned {_ms(e2e.get('tuned_s'))} ms "
                 f"= {_x(e2e.get('speedup'))} (measured)",
             )
+        payback = self.payback()
+        if payback is not None:
+            saved_ms = payback["saved_per_call_s"] * 1e3
+            calls = payback["calls"]
+            lines.insert(
+                1,
+                f"payback: tuning {payback['tuning_s']:.1f} s, saves {saved_ms:.1f} ms per whole call: "
+                + ("never pays off" if calls is None else f"paid off after {calls} call(s)"),
+            )
         return lines
+
+    def seconds_split(self) -> dict[str, dict[str, float]]:
+        """`ModuleReport.seconds_split` summed over every target (descended ones included)."""
+        return _split([s for r in [*self.modules.values(), *self.descended.values()] for s in r.signatures])
+
+    def payback(self) -> dict[str, Any] | None:
+        """Where whole calls were measured (`end_to_end`): tuning seconds, seconds saved per whole call (eager's median
+        minus tuned's), and the number of whole calls after which the saving has repaid the tuning (None: never,
+        nothing is saved). None without an end-to-end measurement."""
+        e2e = self.end_to_end or {}
+        eager_s, tuned_s = e2e.get("eager_s"), e2e.get("tuned_s")
+        if eager_s is None or tuned_s is None:
+            return None
+        saved = eager_s - tuned_s
+        calls = math.ceil(self.tuning_seconds / saved) if saved > 0 else None
+        return {"tuning_s": self.tuning_seconds, "saved_per_call_s": saved, "calls": calls}
 
     def __str__(self) -> str:
         rows = [list(self.COLUMNS), *self.rows()]
@@ -207,8 +262,11 @@ class TuningReport:
         return f"<div>{summary}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
     def to_dict(self) -> dict[str, Any]:
+        payback = self.payback()
         return {
-            "end_to_end": self.end_to_end,
+            # The payback is derived from the measurement and tuning seconds; kept under it so readers of the other
+            # keys see nothing new, and recomputed (never read back) by from_dict.
+            "end_to_end": self.end_to_end if payback is None else {**self.end_to_end, "payback": payback},
             "tuning_seconds": self.tuning_seconds,
             "modules": {name: report.to_dict() for name, report in self.modules.items()},
             "descended": {name: report.to_dict() for name, report in self.descended.items()},
@@ -233,9 +291,12 @@ class TuningReport:
             ]
             return build(ModuleReport, raw, signatures=signatures)
 
+        end_to_end = data.get("end_to_end")
+        if isinstance(end_to_end, dict):
+            end_to_end = {k: v for k, v in end_to_end.items() if k != "payback"}
         return cls(
             {name: module(raw) for name, raw in data["modules"].items()},
-            end_to_end=data.get("end_to_end"),
+            end_to_end=end_to_end,
             tuning_seconds=data.get("tuning_seconds") or 0.0,
             descended={name: module(raw) for name, raw in (data.get("descended") or {}).items()},
         )
@@ -266,6 +327,23 @@ def _finite(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_finite(v) for v in value]
     return value
+
+
+def _split(signatures: Any) -> dict[str, dict[str, float]]:
+    split: dict[str, dict[str, float]] = {}
+    reference = 0.0
+    for signature in signatures:
+        reference += signature.reference_seconds or 0.0
+        for c in signature.candidates:
+            if c.build_seconds is None and c.check_seconds is None and c.timing_seconds is None:
+                continue  # not tried (unavailable, skipped)
+            phases = split.setdefault(c.backend, {"build_s": 0.0, "check_s": 0.0, "timing_s": 0.0})
+            phases["build_s"] += c.build_seconds or 0.0
+            phases["check_s"] += c.check_seconds or 0.0
+            phases["timing_s"] += c.timing_seconds or 0.0
+    if reference:
+        split["eager"] = {"reference_s": reference}
+    return split
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
