@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
 
-from aitune_hf import FirstWins, OneBackend, TargetState, TuningConfig, register
+from aitune_hf import FirstWins, MinLatency, OneBackend, TargetState, TuningConfig, register
 from aitune_hf.backends import OnnxRuntimeBackend
+from aitune_hf.backends.base import Backend, BuiltBackend, Call
 from aitune_hf.core import signature_of
+from aitune_hf.core.report import ModuleReport, TuningReport
+from aitune_hf.core.strategy import build_cost, cheap_first
+from aitune_hf.core.timing import Stopwatch, clock
+from aitune_hf.errors import ConfigError
 from tests.core.modules import (
     FailsWhenServingBackend,
     InfBackend,
@@ -490,3 +497,152 @@ def test_detach_releases_built_backends_and_sessions() -> None:
     reg.detach()
     gc.collect()
     assert runner() is None and session() is None and guard() is None
+
+
+# -- cost-aware tuning: cheap builds first, skipped slow builds, a budget, the seconds split ----------------------
+
+
+class PretendCompiler(Backend):
+    """Stands for a compiler whose builds are slow (Inductor, TensorRT): serves eager's forward."""
+
+    name = "pretend_compiler"
+    build_cost = "slow"
+
+    def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
+        return BuiltBackend(fn=forward)
+
+
+class BusyBuild(Backend):
+    """A build that does `seconds` of real work (no sleep), then serves eager's forward."""
+
+    name = "busy_build"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
+        a = torch.randn(64, 64)
+        with Stopwatch() as watch:
+            while clock() - watch.start < self.seconds:
+                a = torch.tanh(a @ a)
+        return BuiltBackend(fn=forward)
+
+
+def test_cheap_builds_are_tried_first_and_the_order_given_is_kept_within_a_cost() -> None:
+    from aitune_hf.backends import get_backend
+
+    backends = [get_backend(name) for name in ("inductor", "onnxruntime")] + [PretendCompiler(), RaisingBackend()]
+    assert [b.name for b in cheap_first(backends)] == ["onnxruntime", "raising", "inductor", "pretend_compiler"]
+    assert build_cost(get_backend("inductor")) == "slow" and build_cost(RaisingBackend()) == "cheap"
+    assert [b.name for b in FirstWins(order="given").ordered(backends)] == [b.name for b in backends]
+    with pytest.raises(ConfigError, match="order"):
+        MinLatency(order="fastest")
+    assert repr(MinLatency()) == "MinLatency()" and repr(FirstWins()) == "FirstWins()"  # cache keys stay put
+
+
+def test_a_clear_cheap_winner_skips_the_slow_build() -> None:
+    block = ManyOpsBlock().eval()  # ONNX Runtime runs it several times faster than eager
+    config = _config(backends=[PretendCompiler(), "onnxruntime"], repeats=25)
+    reg, out, expected = _tune_once(block, config, torch.randn(1, 16))
+    signature = reg.reports["block"].signatures[0]
+    candidates = {c.backend: c for c in signature.candidates}
+    assert [c.backend for c in signature.candidates] == ["onnxruntime", "pretend_compiler"]  # cheap first
+    assert signature.chosen == "onnxruntime"
+    assert candidates["pretend_compiler"].error.startswith("skipped: onnxruntime won clearly (at least ")
+    assert candidates["pretend_compiler"].error.endswith("and pretend_compiler builds slowly")
+    assert candidates["pretend_compiler"].build_seconds is None
+    assert candidates["onnxruntime"].rounds < 25  # the sequential rule stopped: the ratio was decided
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    reg.detach()
+
+
+def test_without_a_clear_cheap_winner_the_slow_build_is_tried() -> None:
+    block = MLPBlock().eval()
+    config = _config(backends=[PretendCompiler(), WrongValuesBackend()], min_speedup=0, repeats=25)
+    reg, out, expected = _tune_once(block, config, torch.randn(2, 32))
+    candidates = {c.backend: c for c in reg.reports["block"].signatures[0].candidates}
+    assert candidates["wrong_values"].error.startswith("wrong output")
+    assert candidates["pretend_compiler"].ok and candidates["pretend_compiler"].build_seconds is not None
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)  # it serves eager's own forward
+    reg.detach()
+
+
+def test_skip_slow_builds_false_builds_every_candidate() -> None:
+    block = ManyOpsBlock().eval()
+    config = _config(backends=[PretendCompiler(), "onnxruntime"], strategy=MinLatency(skip_slow_builds=False))
+    reg, out, expected = _tune_once(block, config, torch.randn(1, 16))
+    candidates = reg.reports["block"].signatures[0].candidates
+    assert all(c.ok and c.latency_s is not None for c in candidates)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    reg.detach()
+
+
+def test_a_spent_budget_skips_the_remaining_candidates_with_the_reason() -> None:
+    block = MLPBlock().eval()
+    config = _config(backends=[BusyBuild(0.5), "onnxruntime", PretendCompiler()], budget_s=0.25, min_speedup=0)
+    reg, out, expected = _tune_once(block, config, torch.randn(2, 32))
+    signature = reg.reports["block"].signatures[0]
+    candidates = {c.backend: c for c in signature.candidates}
+    assert candidates["busy_build"].ok and candidates["busy_build"].build_seconds >= 0.5
+    assert candidates["onnxruntime"].error == "skipped: tuning budget of 0.25 s spent"
+    assert candidates["pretend_compiler"].error == "skipped: tuning budget of 0.25 s spent"
+    assert candidates["busy_build"].rounds == 1  # timing stops at the first round past the deadline
+    assert signature.chosen == "busy_build"
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    reg.detach()
+
+
+@pytest.mark.parametrize("strategy", [MinLatency(), FirstWins()])
+def test_a_budget_spent_before_any_candidate_keeps_eager_with_the_reason(strategy: object) -> None:
+    block = MLPBlock().eval()
+    config = _config(backends=["onnxruntime"], budget_s=1e-9, strategy=strategy)
+    reg, out, expected = _tune_once(block, config, torch.randn(2, 32))
+    target = reg.targets["block"]
+    assert target.state is TargetState.EAGER
+    assert "tuning budget of 1e-09 s spent before any candidate was tried" in target.reason
+    assert reg.reports["block"].signatures[0].candidates[0].error == "skipped: tuning budget of 1e-09 s spent"
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    with torch.no_grad():
+        x = torch.randn(2, 32)
+        torch.testing.assert_close(block(x), MLPBlock.forward(block, x), rtol=0, atol=0)
+    reg.detach()
+
+
+def test_the_seconds_split_adds_up_to_the_targets_tuning_seconds() -> None:
+    block = ManyOpsBlock().eval()
+    config = _config(backends=["onnxruntime", RaisingBackend(), WrongValuesBackend(), BusyBuild(0.2)], min_speedup=0)
+    reg, out, expected = _tune_once(block, config, torch.randn(1, 16))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    module = reg.reports["block"]
+    split = module.seconds_split()
+    assert set(split) == {"onnxruntime", "raising", "wrong_values", "busy_build", "eager"}
+    assert split["busy_build"]["build_s"] >= 0.2 and split["onnxruntime"]["timing_s"] > 0
+    assert split["raising"]["check_s"] == 0 and split["wrong_values"]["timing_s"] == 0  # never checked / timed
+    accounted = sum(sum(phases.values()) for phases in split.values())
+    assert accounted <= module.tuning_seconds
+    assert module.tuning_seconds - accounted <= 0.05 * module.tuning_seconds + 0.05  # bookkeeping only
+    report = reg.report()
+    assert "tuning seconds: onnxruntime build " in str(report) and "eager references " in str(report)
+    data = json.loads(report.to_json())
+    assert data["modules"]["block"]["seconds_split"]["onnxruntime"]["build_s"] == pytest.approx(
+        split["onnxruntime"]["build_s"]
+    )
+    candidate = data["modules"]["block"]["signatures"][0]["candidates"][0]
+    assert candidate["check_seconds"] > 0 and candidate["timing_seconds"] > 0 and candidate["rounds"] == 3
+    reg.detach()
+
+
+def test_the_payback_line_from_the_end_to_end_measurement() -> None:
+    module = ModuleReport(name="block", module_class="Block", state="tuned", tuning_seconds=10.0)
+    report = TuningReport({"block": module}, end_to_end={"eager_s": 1.0, "tuned_s": 0.75, "speedup": 4 / 3})
+    report.tuning_seconds = 10.0
+    assert report.payback() == {"tuning_s": 10.0, "saved_per_call_s": 0.25, "calls": 40}
+    assert "payback: tuning 10.0 s, saves 250.0 ms per whole call: paid off after 40 call(s)" in str(report)
+    data = json.loads(report.to_json())
+    assert data["end_to_end"]["payback"]["calls"] == 40
+    assert "payback" not in TuningReport.from_dict(data).end_to_end  # derived, recomputed
+
+    slower = TuningReport({"block": module}, end_to_end={"eager_s": 1.0, "tuned_s": 1.1}, tuning_seconds=5.0)
+    assert slower.payback()["calls"] is None and "never pays off" in str(slower)
+    assert TuningReport({"block": module}, tuning_seconds=5.0).payback() is None
+    assert "payback" not in str(TuningReport({"block": module}, tuning_seconds=5.0))
