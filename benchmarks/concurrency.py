@@ -24,8 +24,8 @@ B. tuning under traffic: a fresh pipeline, `enable_aitune("blocks", backends=["o
 C. after tuning: the same traffic on the same pipeline, every block the traffic runs decided.
 (A2. eager again, unless --no-eager-again: the same traffic as A, to show how much the machine drifted.)
 
-Per request: latency by `time.perf_counter()` around the call (the project's timer, `aitune_hf.core.timing`,
-times functions in interleaved rounds; a live server's per-request latencies are a different quantity).
+Per request: latency by `aitune_hf.core.timing.Stopwatch` around the call (the project's timer; its interleaved
+rounds time functions, and a live server's per-request latencies are a different quantity).
 Every output of every phase is compared with the single-thread eager reference; a max abs diff above 1e-3
 fails the run (after the results are written).
 
@@ -57,6 +57,11 @@ from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as 
 
 import aitune_hf
 from aitune_hf import AITunePipeline, testing
+from aitune_hf.core.timing import Stopwatch
+
+# Tuning is measured from scratch: aitune_hf's persistent cache (on by default) stays off unless AITUNE_HF_CACHE
+# is set (a folder, to measure a warm start) or a run passes its own cache_dir.
+os.environ.setdefault("AITUNE_HF_CACHE", "off")
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ATOL = 1e-3
@@ -103,28 +108,27 @@ def traffic(
             seen_threads.append(torch.get_num_threads())
         barrier.wait()
         for i in range(requests):
-            start = time.perf_counter()
             try:
-                out = call(workers[index])
+                with Stopwatch() as watch:
+                    out = call(workers[index])
             except BaseException as error:  # reported after the phase; a failed request is a finding
                 with lock:
                     errors.append(error)
                 continue
-            end = time.perf_counter()
             with lock:
-                rows.append({"thread": index, "request": i, "start_s": start, "latency_s": end - start})
+                rows.append({"thread": index, "request": i, "start_s": watch.start, "latency_s": watch.seconds})
                 outputs.append(out)
 
     threads = [threading.Thread(target=run, args=(n,), name=f"request-{n}") for n in range(len(workers))]
     for thread in threads:
         thread.start()
     barrier.wait()
-    t0 = time.perf_counter()
-    if on_release:
-        on_release(t0)
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - t0
+    with Stopwatch() as watch:
+        if on_release:
+            on_release(watch.start)
+        for thread in threads:
+            thread.join()
+    t0, wall = watch.start, watch.seconds
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) raised; first: {errors[0]!r}") from errors[0]
     for row in rows:
@@ -150,7 +154,7 @@ class Poller:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            now = time.perf_counter() - self.t0
+            now = time.perf_counter() - self.t0  # a moment, not a duration: on the clock of Stopwatch.start
             for name, target in self.registration.targets.items():
                 if name not in self.decided_at and target.decided:
                     self.decided_at[name] = round(now, 3)
@@ -194,12 +198,11 @@ def run(args: argparse.Namespace, folder: Path, log: Callable[[str], None]) -> d
     def call(p: Any) -> np.ndarray:
         return p(**kwargs, generator=torch.Generator().manual_seed(0)).images
 
-    start = time.perf_counter()
-    reference = call(pipe_a)  # the single-thread eager reference (and the first call: loads, allocates)
-    first_call_s = time.perf_counter() - start
-    start = time.perf_counter()
-    again = call(pipe_a)
-    single_s = time.perf_counter() - start
+    with Stopwatch() as first:
+        reference = call(pipe_a)  # the single-thread eager reference (and the first call: loads, allocates)
+    with Stopwatch() as single:
+        again = call(pipe_a)
+    first_call_s, single_s = first.seconds, single.seconds
     if not np.array_equal(again, reference):
         raise SystemExit("eager single-thread calls differ from each other: no usable reference")
     log(f"reference: single-thread eager call {single_s * 1e3:.0f} ms (first call {first_call_s * 1e3:.0f} ms)")
@@ -226,9 +229,9 @@ def run(args: argparse.Namespace, folder: Path, log: Callable[[str], None]) -> d
     # -- B: tuning under traffic --------------------------------------------------------------------------
     pipe_b = _load(folder)
     registration = pipe_b.enable_aitune("blocks", backends=["onnxruntime"], progress=False)
-    start = time.perf_counter()
-    recorded = call(pipe_b)  # records every block it runs and arms them (tune_after_calls=1)
-    record_call_s = time.perf_counter() - start
+    with Stopwatch() as recording:
+        recorded = call(pipe_b)  # records every block it runs and arms them (tune_after_calls=1)
+    record_call_s = recording.seconds
     record_diff = float(np.abs(recorded.astype(np.float64) - reference).max())
     armed = {name: str(t.state) for name, t in registration.targets.items()}
     log(f"B: record+arm call {record_call_s * 1e3:.0f} ms; states {registration.state_counts}")
@@ -339,8 +342,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Workload: {setting['workload']}; {n} request threads, one `StableDiffusionPipeline` per thread sharing",
         "the components (own scheduler each), prompt embeddings computed once up front (so requests run the",
         "UNet and the VAE decoder; the 4 CLIP text-encoder blocks are registered but never called).",
-        "Latency: `time.perf_counter()` around each request (not `aitune_hf.core.timing`, which times functions",
-        "in interleaved rounds: a live server's per-request latencies are a different quantity). Percentiles are",
+        "Latency: `aitune_hf.core.timing.Stopwatch` around each request (not its interleaved rounds, which time",
+        "functions: a live server's per-request latencies are a different quantity). Percentiles are",
         f"numpy's linear ones over all {setting['requests per phase']} requests of a phase (p99 of so few requests",
         "is close to the max).",
         "",
@@ -472,12 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     command = "python benchmarks/concurrency.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"setting: {setting}", flush=True)
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="aitune_concurrency_") as folder:
+    with Stopwatch() as wall, tempfile.TemporaryDirectory(prefix="aitune_concurrency_") as folder:
         built = testing.build_pipeline("sd", Path(folder) / "sd", size="small")
         body = run(args, built, lambda text: print(text, flush=True))
     setting["load average at end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    setting["benchmark wall s"] = round(time.perf_counter() - started, 1)
+    setting["benchmark wall s"] = round(wall.seconds, 1)
     diffs = {k: p["stats"]["max_abs_diff"] for k, p in body["phases"].items()}
     result = {"command": command.strip(), "setting": setting, "outputs_ok": max(diffs.values()) <= ATOL, **body}
     result["meaning"] = meaning(result)

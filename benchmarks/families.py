@@ -31,12 +31,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Tuning is measured from scratch: aitune_hf's persistent cache (on by default) stays off unless AITUNE_HF_CACHE
+# is set (a folder, to measure a warm start) or a run passes its own cache_dir.
+os.environ.setdefault("AITUNE_HF_CACHE", "off")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="aitune_families_inductor_"))
 
 import torch  # after the Inductor cache folder is chosen
 from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as files
 
 from aitune_hf import TargetState, enable_aitune
+from aitune_hf.core.timing import Stopwatch
 from aitune_hf.testing import MODEL_FAMILIES, build_family, call_family, family_inputs, load_family
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -75,9 +79,9 @@ def _whole_call_speedup(name: str, model: Any, registration: Any, rounds: int, c
     def median_call() -> float:
         times = []
         for _ in range(calls):
-            start = time.perf_counter()
-            call_family(name, model, inputs)
-            times.append(time.perf_counter() - start)
+            with Stopwatch() as watch:
+                call_family(name, model, inputs)
+            times.append(watch.seconds)
         return statistics.median(times)
 
     with registration.bypass():
@@ -212,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="aitune_families_") as folder:
         for name in names:
             print(f"== {name}", flush=True)
-            start = time.perf_counter()
-            result = run_family(name, Path(folder), config, rounds, calls, lambda text: print(text, flush=True))
-            print(f"   {name}: {time.perf_counter() - start:.1f} s{' ' + result.error if result.error else ''}")
+            with Stopwatch() as watch:
+                result = run_family(name, Path(folder), config, rounds, calls, lambda text: print(text, flush=True))
+            print(f"   {name}: {watch.seconds:.1f} s{' ' + result.error if result.error else ''}")
             results.append(result)
     text = markdown(results, header)
     args.out.parent.mkdir(parents=True, exist_ok=True)

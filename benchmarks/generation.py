@@ -39,8 +39,8 @@ calls in the decode steps is counted from `calls_served` (an N-token call less a
 
 Timing: after warm-up every worker pins itself to one core (`--cpu`) and runs 1 torch thread (`--threads`).
 Workers are driven one at a time from this process: each round runs every variant once (order rotating), and
-a variant's turn is a 1-token call (prefill) then an N-token call, timed with `time.perf_counter()` (CPU only:
-nothing to synchronise). Per round: decode tokens/s = (N - 1) / (t_N - t_1), end-to-end tokens/s = N / t_N.
+a variant's turn is a 1-token call (prefill) then an N-token call, each timed with `aitune_hf.core.timing.Stopwatch`
+(CPU only: nothing to synchronise). Per round: decode tokens/s = (N - 1) / (t_N - t_1), end-to-end tokens/s = N / t_N.
 Reported values are medians over rounds; "vs best" is the median over rounds of aitune_hf's decode tokens/s
 over the best documented baseline's in the same round (± interquartile range). Every N-token call's tokens are
 compared with the eager reference (`torch.equal`).
@@ -57,11 +57,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from aitune_hf.core.timing import Stopwatch  # the project's one timer (imports torch, none of Hugging Face)
+
+# Tuning is measured from scratch: aitune_hf's persistent cache (on by default) stays off unless AITUNE_HF_CACHE
+# is set (a folder, to measure a warm start) or a run passes its own cache_dir.
+os.environ.setdefault("AITUNE_HF_CACHE", "off")
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BASELINE_MARGIN = 0.97  # as benchmarks/pipelines.py: "matches" = no slower than the best baseline within 3%
@@ -184,9 +189,9 @@ class Worker:
         )
 
     def timed(self, n: int) -> tuple[float, Any]:
-        start = time.perf_counter()
-        out = self.generate(n)
-        return time.perf_counter() - start, out
+        with Stopwatch() as watch:
+            out = self.generate(n)
+        return watch.seconds, out
 
     def prepare(self) -> dict[str, Any]:
         import torch
@@ -210,36 +215,37 @@ class Worker:
         eager_n = statistics.median(self.timed(n)[0] for _ in range(3))
         eager_1 = statistics.median(self.timed(1)[0] for _ in range(3))
         calls = 0
-        start = time.perf_counter()
-        if name in ("compile_forward", "hf_autocompile"):
-            if name == "compile_forward":
-                self.model.forward = torch.compile(self.model.forward, mode="reduce-overhead", fullgraph=True)
-            else:
-                from transformers import CompileConfig
+        with Stopwatch() as watch:  # until the first short call after the last preparing one
+            if name in ("compile_forward", "hf_autocompile"):
+                if name == "compile_forward":
+                    self.model.forward = torch.compile(self.model.forward, mode="reduce-overhead", fullgraph=True)
+                else:
+                    from transformers import CompileConfig
 
-                compile_config = CompileConfig()
-                compile_config._compile_all_devices = True  # generate() compiles on cuda/xpu/neuron/tpu only
-                config.compile_config = compile_config
-            for _ in range(2):
+                    compile_config = CompileConfig()
+                    compile_config._compile_all_devices = True  # generate() compiles on cuda/xpu/neuron/tpu only
+                    config.compile_config = compile_config
+                for _ in range(2):
+                    self.generate(n)
+                    calls += 1
+            elif name.startswith("aitune"):
+                if name == "aitune_blocks":
+                    self.model.enable_aitune("blocks", backends=["inductor", "onnxruntime"], progress=False)
+                elif name == "aitune_auto":
+                    self.model.enable_aitune("auto", progress=False)
+                else:
+                    self.model.enable_aitune("components", backends=["inductor"], progress=False)
+                while not self.model.aitune.all_tuned and calls < WARMUP_LIMIT:
+                    self.generate(n)
+                    calls += 1
+                info["tuned_after_calls"] = calls
+                info["all_tuned"] = bool(self.model.aitune.all_tuned)
                 self.generate(n)
                 calls += 1
-        elif name.startswith("aitune"):
-            if name == "aitune_blocks":
-                self.model.enable_aitune("blocks", backends=["inductor", "onnxruntime"], progress=False)
-            elif name == "aitune_auto":
-                self.model.enable_aitune("auto", progress=False)
-            else:
-                self.model.enable_aitune("components", backends=["inductor"], progress=False)
-            while not self.model.aitune.all_tuned and calls < WARMUP_LIMIT:
-                self.generate(n)
-                calls += 1
-            info["tuned_after_calls"] = calls
-            info["all_tuned"] = bool(self.model.aitune.all_tuned)
-            self.generate(n)
-            calls += 1
+            if calls:
+                self.generate(1)
         if calls:
-            self.generate(1)
-            info["one_off_s"] = max(time.perf_counter() - start - calls * eager_n - eager_1, 0.0)
+            info["one_off_s"] = max(watch.seconds - calls * eager_n - eager_1, 0.0)
         info["eager_call_ms"] = {"1": eager_1 * 1e3, str(n): eager_n * 1e3}
         info["dynamo"] = _dynamo_counts()
         if name.startswith("aitune"):
@@ -562,9 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         "models": f"{args.layers} layers, " + ", ".join(f"{k} {v}" for k, v in COMMON.items() if "token_id" not in k),
     }
     print(f"setting: {setting}", flush=True)
-    started = time.perf_counter()
     models = {}
-    with tempfile.TemporaryDirectory(prefix="aitune_gen_") as root:
+    with Stopwatch() as wall, tempfile.TemporaryDirectory(prefix="aitune_gen_") as root:
         for kind in args.models:
             folder = build_model(kind, Path(root) / kind, args.layers)
             print(f"== {kind}", flush=True)
@@ -573,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in verdicts:
                 print(f"  {line}", flush=True)
             models[kind] = (rows, verdicts, results)
-    setting["wall time"] = f"{time.perf_counter() - started:.0f} s"
+    setting["wall time"] = f"{wall.seconds:.0f} s"
     text = markdown(setting, models, args.new_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -3,30 +3,45 @@ vs aitune_hf, measured side by side in one process with interleaved rounds and m
 
     python benchmarks/pipelines.py                       # every workload, 1 thread, results in benchmarks/results/
     python benchmarks/pipelines.py --workloads sd,flux --rounds 15
+    python benchmarks/pipelines.py --cold-warm           # also: aitune_hf's prepare cold, then warm from its cache
+    python benchmarks/pipelines.py --cold-warm --methods none --workloads minilm_b1_s32   # only cold / warm
 
 Every method gets its own copy of the workload (loaded through the real from_pretrained), is prepared once
 (compiled / exported / tuned: the cold seconds reported), then all methods take turns call by call, the order
 rotating each round. The speed-up of a method is the median over rounds of (eager time / its time) in that
 same round, so drift in the machine's speed cancels; the spread (interquartile range of those ratios) says
 how much noise is left. Inductor's on-disk caches start empty (a fresh TORCHINDUCTOR_CACHE_DIR) so compile
-times are cold, unless --warm-cache.
+times are cold, unless --warm-cache; so does aitune_hf's persistent cache (a fresh `cache_dir` per prepare).
+
+The aitune_hf methods prepare through `aitune_hf.session.run_session`, the session `aitune-hf tune` runs
+(enable_aitune, a recording call, tuning calls until every target decided): their prepare seconds are the
+session's, less the calls' own eager time.
+
+`--cold-warm`: for each workload, `--cold-warm-method` (aitune_blocks) is prepared twice, each time in a fresh
+process and with the same `cache_dir`, new and empty before the first: cold (nothing cached) then warm (what the
+cold run wrote). Both processes share one Inductor cache folder, empty before the cold run, as two runs on one
+machine would. The table gives the session's prepare seconds (wall, from enable_aitune until tuned: what a user
+waits) of each, warm / cold, and the largest difference between the warm and the cold tuned outputs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Tuning is measured from scratch: aitune_hf's persistent cache (on by default) stays off unless AITUNE_HF_CACHE
+# is set (a folder, to measure a warm start) or a run passes its own cache_dir.
+os.environ.setdefault("AITUNE_HF_CACHE", "off")
 if "--warm-cache" not in sys.argv:  # before torch is imported: Inductor reads it at import
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="aitune_bench_inductor_")
 
@@ -35,8 +50,10 @@ import torch
 from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as files
 
 from aitune_hf import AITuneModel, AITunePipeline, testing
+from aitune_hf.core.timing import Stopwatch
 from aitune_hf.hf.loading import apply_mixin
 from aitune_hf.hf.targets import components_of, find_targets
+from aitune_hf.session import SessionResult, format_counts, run_session
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"sd": 1.10, "flux": 1.20}  # the issue's end-to-end goals for aitune_hf (fp32)
@@ -156,31 +173,13 @@ def _compile_regions(obj: Any) -> str:
 
 @dataclass
 class Method:
+    """A way to prepare a copy: `prepare` (compile methods; returns a note, may make calls, which count as
+    preparation) or, for aitune_hf, `session`: the targets and enable_aitune options of an `aitune_hf.session` run."""
+
     name: str
-    prepare: Callable[[Any, Workload], str]  # returns a note; may make calls (they count as preparation)
+    prepare: Callable[[Any, Workload], str] | None = None
     calls_in_prepare: int = 1
-
-
-def _aitune(targets: str, **options: Any) -> Callable[[Any, Workload], str]:
-    def prepare(obj: Any, workload: Workload) -> str:
-        registration = obj.enable_aitune(targets, tune_after_calls=None, **options)
-        for _ in range(2 if targets == "auto" else 1):  # auto: components first, then blocks where needed
-            workload.call(obj)  # record
-            for _ in range(3):  # tune inside the call's own flow; a target that did not run tunes in the next
-                registration.tune()
-                workload.call(obj)
-                if registration.all_tuned:
-                    break
-            if not registration.descended:
-                break
-        counts = ", ".join(f"{k} {v}" for k, v in sorted(registration.state_counts.items()))
-        chosen: dict[str, int] = {}
-        for report in registration.reports.values():
-            chosen[report.backend] = chosen.get(report.backend, 0) + 1
-        picks = ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items()))
-        return f"{len(registration.targets)} targets ({counts}); chosen: {picks}"
-
-    return prepare
+    session: dict[str, Any] | None = None
 
 
 def _first_call(note: Callable[[Any], str]) -> Callable[[Any, Workload], str]:
@@ -192,18 +191,31 @@ def _first_call(note: Callable[[Any], str]) -> Callable[[Any, Workload], str]:
     return prepare
 
 
+def _session_note(session: SessionResult) -> str:
+    registration = session.registration
+    chosen: dict[str, int] = {}
+    for report in registration.reports.values():
+        chosen[report.backend] = chosen.get(report.backend, 0) + 1
+    picks = ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items()))
+    note = f"{len(registration.targets)} targets ({format_counts(registration.state_counts)}); chosen: {picks}"
+    stats = getattr(registration.cache, "stats", None)
+    if stats is not None:
+        note += f"; cache: {stats.hits} reused, {stats.misses} tuned"
+    return note if session.passed else f"{note}; CHECK FAILED (max diff {session.max_abs_diff:.1e})"
+
+
 METHODS = {
     "eager": Method("eager", lambda obj, workload: "", calls_in_prepare=0),
     "compile_full": Method("compile_full", _first_call(_compile_components)),
     "compile_regional": Method("compile_regional", _first_call(_compile_regions)),
     "onnxruntime_components": Method(
         "onnxruntime_components",
-        _aitune("components", backends=["onnxruntime"], min_speedup=0, progress=False),
-        calls_in_prepare=2,
+        session={"targets": "components", "backends": ["onnxruntime"], "min_speedup": 0, "progress": False},
     ),
-    "aitune_blocks": Method("aitune_blocks", _aitune("blocks", progress=False), calls_in_prepare=2),
-    "aitune_auto": Method("aitune_auto", _aitune("auto", progress=False), calls_in_prepare=4),
+    "aitune_blocks": Method("aitune_blocks", session={"targets": "blocks", "progress": False}),
+    "aitune_auto": Method("aitune_auto", session={"targets": "auto", "progress": False}),
 }
+SESSION_METHODS = [name for name, method in METHODS.items() if method.session is not None]
 
 
 @dataclass
@@ -225,42 +237,118 @@ class WorkloadResult:
     rounds: int
     results: dict[str, MethodResult] = field(default_factory=dict)
     verdicts: list[str] = field(default_factory=list)
+    cold_warm: ColdWarm | None = None
 
 
-def prepare(workload: Workload, name: str) -> tuple[Any, str, float, float, np.ndarray]:
-    """A fresh copy prepared by method `name`: (object, note, prepare seconds, eager call seconds, output).
+@dataclass
+class Prepared:
+    """A fresh copy prepared by one method."""
 
-    Prepare seconds are the wall time of the preparation less the eager time of the calls it made."""
+    obj: Any
+    note: str
+    seconds: float  # wall time of the preparation less the eager time of the calls it made
+    eager_call_s: float  # median of 3 warm eager calls of this copy, before preparing it
+    output: np.ndarray  # of a call after preparing (the session's tuned call for aitune_hf)
+    session: SessionResult | None = None
+
+
+def prepare(workload: Workload, name: str, cache_dir: str | Path | None = None) -> Prepared:
+    """A fresh copy prepared by method `name`. aitune_hf methods run `aitune_hf.session` with `cache_dir` (an
+    empty temporary folder when None, so that nothing is reused from an earlier run)."""
     method = METHODS[name]
     obj = workload.make()
-    workload.call(obj)  # first call of this copy: loads, allocates, warms up
+    reference = workload.call(obj)  # first call of this copy: loads, allocates, warms up
     eager_call_s = _median_call(workload, obj, 3)
-    start = time.perf_counter()
-    note = method.prepare(obj, workload)
-    seconds = max(time.perf_counter() - start - method.calls_in_prepare * eager_call_s, 0.0)
+    if method.session is not None:
+        with contextlib.ExitStack() as stack:
+            if cache_dir is None:
+                cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="aitune_bench_cache_"))
+            options = dict(method.session)
+            targets = options.pop("targets")
+            session = run_session(
+                obj, lambda: workload.call(obj), targets, reference=reference, cache_dir=str(cache_dir), **options
+            )
+        calls = 1 + session.tuning_calls  # the recording call and the tuning calls
+        seconds = max(session.prepare_seconds - calls * eager_call_s, 0.0)
+        return Prepared(obj, _session_note(session), seconds, eager_call_s, session.tuned_output, session)
+    assert method.prepare is not None
+    with Stopwatch() as watch:
+        note = method.prepare(obj, workload)
+    seconds = max(watch.seconds - method.calls_in_prepare * eager_call_s, 0.0)
     output = workload.call(obj)  # settles late recompiles; compared with eager's output
-    return obj, note, seconds, eager_call_s, output
+    return Prepared(obj, note, seconds, eager_call_s, output)
+
+
+def _job(
+    method: str, workload: str, folder: Path, threads: int, *extra: str, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run `prepare` of one method in a new process (this file, `--cold-prepare`); its JSON line."""
+    command = [sys.executable, __file__, "--cold-prepare", method, "--workloads", workload]
+    command += ["--folder", str(folder), "--threads", str(threads), *extra]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    if done.returncode != 0:
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"{method} on {workload} in a new process exited {done.returncode}: {tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def cold_prepare_seconds(workload: str, method: str, folder: Path, threads: int) -> float:
     """Prepare seconds measured in a new process with empty Inductor caches (in-process caches would let one
-    method's compiles speed up the next)."""
-    command = [sys.executable, __file__, "--cold-prepare", method, "--workloads", workload]
-    command += ["--folder", str(folder), "--threads", str(threads)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    return float(json.loads(done.stdout.strip().splitlines()[-1])["prepare_seconds"])
+    method's compiles speed up the next) and an empty aitune_hf cache."""
+    return float(_job(method, workload, folder, threads)["prepare_seconds"])
+
+
+@dataclass
+class ColdWarm:
+    """One method prepared in a fresh process twice with one cache_dir: empty (cold), then as cold left it (warm)."""
+
+    method: str
+    cold_s: float | None = None  # the session's prepare seconds (wall: enable_aitune until tuned)
+    warm_s: float | None = None
+    ratio: float | None = None  # warm / cold
+    warm_vs_cold_max_diff: float | None = None  # largest |warm tuned output - cold tuned output|
+    cold: dict[str, Any] = field(default_factory=dict)  # each process's JSON line
+    warm: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def cold_warm(workload: str, method: str, folder: Path, threads: int) -> ColdWarm:
+    """Prepare `method` cold and then warm, each in a fresh process, sharing one new cache_dir (and one new Inductor
+    cache folder); the tuned outputs go through .npy files in a temporary folder to be compared."""
+    result = ColdWarm(method)
+    with tempfile.TemporaryDirectory(prefix="aitune_bench_cold_warm_") as tmp:
+        root = Path(tmp)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}  # kept there (--warm-cache)
+        try:
+            for phase in ("cold", "warm"):
+                extra = ["--warm-cache", "--cache-dir", str(root / "cache"), "--save-output", str(root / phase)]
+                setattr(result, phase, _job(method, workload, folder, threads, *extra, env=env))
+        except RuntimeError as error:
+            result.error = str(error)[:300]
+            return result
+        cold_out, warm_out = np.load(root / "cold.npy"), np.load(root / "warm.npy")
+    result.cold_s, result.warm_s = result.cold["session_prepare_seconds"], result.warm["session_prepare_seconds"]
+    result.ratio = result.warm_s / result.cold_s if result.cold_s else None
+    if cold_out.shape == warm_out.shape:
+        result.warm_vs_cold_max_diff = float(np.abs(warm_out.astype(np.float64) - cold_out).max())
+    else:
+        result.warm_vs_cold_max_diff = float("inf")
+    return result
 
 
 def run_workload(
     workload: Workload, methods: list[str], rounds: int, log: Callable[[str], None], cold: Callable[[str], float]
 ) -> WorkloadResult:
     out = WorkloadResult(workload.name, workload.describe, rounds)
+    if not methods:  # --methods none: no side-by-side measurement
+        return out
     objects: dict[str, Any] = {}
     reference = None
     for name in methods:
         result = out.results[name] = MethodResult(name)
         try:
-            obj, result.note, warm_seconds, _, output = prepare(workload, name)
+            prepared = prepare(workload, name)
+            result.note = prepared.note
             if name != "eager":
                 result.prepare_seconds = cold(name)
         except Exception as error:  # a method that fails is a finding for the table
@@ -268,20 +356,21 @@ def run_workload(
             log(f"  {name}: FAILED {result.error}")
             continue
         if name == "eager":
-            reference = output
+            reference = prepared.output
         else:
-            result.max_abs_diff = float(np.abs(output.astype(np.float64) - reference).max())
-        objects[name] = obj
-        log(f"  {name}: prepared (cold {result.prepare_seconds or 0:.1f} s, here {warm_seconds:.1f} s) {result.note}")
+            result.max_abs_diff = float(np.abs(prepared.output.astype(np.float64) - reference).max())
+        objects[name] = prepared.obj
+        here = prepared.seconds
+        log(f"  {name}: prepared (cold {result.prepare_seconds or 0:.1f} s, here {here:.1f} s) {result.note}")
 
     times: dict[str, list[float]] = {name: [] for name in objects}
     names = list(objects)
     for r in range(rounds):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            workload.call(objects[name])
-            times[name].append(time.perf_counter() - start)
+            with Stopwatch() as watch:
+                workload.call(objects[name])
+            times[name].append(watch.seconds)
     for name, samples in times.items():
         result = out.results[name]
         result.latency_s = statistics.median(samples)
@@ -296,9 +385,9 @@ def run_workload(
 def _median_call(workload: Workload, obj: Any, n: int) -> float:
     samples = []
     for _ in range(n):
-        start = time.perf_counter()
-        workload.call(obj)
-        samples.append(time.perf_counter() - start)
+        with Stopwatch() as watch:
+            workload.call(obj)
+        samples.append(watch.seconds)
     return statistics.median(samples)
 
 
@@ -344,53 +433,103 @@ def markdown(results: list[WorkloadResult], setting: dict[str, Any]) -> str:
         "Speed-up: median over interleaved rounds of (eager time / method time) in the same round; ± is the",
         "interquartile range of those ratios. Prepare: cold seconds to compile / export / tune, beyond the calls'",
         "own eager time. Max diff: largest absolute difference of the whole output from eager's.",
+        "Cold / warm (with --cold-warm): the aitune_hf session's prepare seconds (wall, from enable_aitune until",
+        "tuned, the calls' eager time included), first with an empty cache_dir, then with what that run wrote.",
         "",
     ]
     for workload in results:
         lines += [f"## {workload.workload}: {workload.describe}", ""]
-        lines += ["| method | latency ms | speed-up | prepare s | max diff | note |", "|---|---|---|---|---|---|"]
-        for r in workload.results.values():
-            if r.error:
-                lines.append(f"| {r.method} | - | - | - | - | failed: {r.error} |")
-                continue
-            speed = f"{r.speedup:.3f}x ± {r.speedup_iqr:.3f}" if r.speedup is not None else "-"
-            prep = f"{r.prepare_seconds:.1f}" if r.prepare_seconds is not None else "-"
-            diff = f"{r.max_abs_diff:.1e}" if r.max_abs_diff is not None else "-"
-            lines.append(f"| {r.method} | {r.latency_s * 1e3:.1f} | {speed} | {prep} | {diff} | {r.note} |")
-        lines += ["", *[f"- {v}" for v in workload.verdicts], ""]
+        if workload.results:
+            lines += _side_by_side(workload)
+        if workload.cold_warm is not None:
+            lines += _cold_warm_table(workload.cold_warm)
     return "\n".join(lines)
+
+
+def _side_by_side(workload: WorkloadResult) -> list[str]:
+    lines = ["| method | latency ms | speed-up | prepare s | max diff | note |", "|---|---|---|---|---|---|"]
+    for r in workload.results.values():
+        if r.error:
+            lines.append(f"| {r.method} | - | - | - | - | failed: {r.error} |")
+            continue
+        speed = f"{r.speedup:.3f}x ± {r.speedup_iqr:.3f}" if r.speedup is not None else "-"
+        prep = f"{r.prepare_seconds:.1f}" if r.prepare_seconds is not None else "-"
+        diff = f"{r.max_abs_diff:.1e}" if r.max_abs_diff is not None else "-"
+        lines.append(f"| {r.method} | {r.latency_s * 1e3:.1f} | {speed} | {prep} | {diff} | {r.note} |")
+    return [*lines, "", *[f"- {v}" for v in workload.verdicts], ""]
+
+
+def _cold_warm_table(cw: ColdWarm) -> list[str]:
+    lines = [
+        f"Cold and warm start of {cw.method}, each in a fresh process with one cache_dir (empty before the cold run):",
+        "",
+        "| cold prepare s | warm prepare s | warm / cold | warm vs cold max diff | cold | warm |",
+        "|---|---|---|---|---|---|",
+    ]
+    if cw.error:
+        return [*lines, f"| - | - | - | - | failed: {cw.error} | |", ""]
+    ratio = f"{cw.ratio:.2f}" if cw.ratio is not None else "-"
+    diff = f"{cw.warm_vs_cold_max_diff:.1e}" if cw.warm_vs_cold_max_diff is not None else "-"
+    notes = f"{cw.cold.get('note', '')} | {cw.warm.get('note', '')}"
+    row = f"| {cw.cold_s:.1f} | {cw.warm_s:.1f} | {ratio} | {diff} | {notes} |"
+    return [*lines, row, ""]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="sd,flux,minilm_b1_s32,minilm_b8_s128,vae_decode")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, or 'none' (with --cold-warm)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads; ONNX Runtime uses the same")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--warm-cache", action="store_true", help="keep Inductor's on-disk caches (not cold)")
+    parser.add_argument(
+        "--cold-warm",
+        action="store_true",
+        help="also prepare aitune_hf cold, then warm from its cache, in new processes",
+    )
+    parser.add_argument("--cold-warm-method", choices=SESSION_METHODS, default="aitune_blocks")
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)  # built pipelines (for --cold-prepare)
     parser.add_argument("--cold-prepare", metavar="METHOD", help=argparse.SUPPRESS)  # the subprocess's job
+    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)  # the subprocess's aitune_hf cache_dir
+    parser.add_argument("--save-output", type=Path, help=argparse.SUPPRESS)  # where it saves its output (.npy)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
-    methods = [m for m in args.methods.split(",") if m]
-    if "eager" not in methods:
+    methods = [m for m in args.methods.split(",") if m and m != "none"]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; valid: {', '.join(METHODS)}")
+    if methods and "eager" not in methods:
         methods.insert(0, "eager")
-    setting = {
+    if not methods and not args.cold_warm:
+        raise SystemExit("--methods none measures nothing without --cold-warm")
+    setting: dict[str, Any] = {
         "torch threads": torch.get_num_threads(),
         "ONNX Runtime threads": torch.get_num_threads(),
         "rounds": args.rounds,
         "Inductor cache": "warm" if args.warm_cache else "cold",
+        "aitune_hf cache": "empty per prepare",
         "torch": torch.__version__,
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
     }
     if args.cold_prepare:
         (workload,) = build_workloads([args.workloads], args.folder)
-        _, _, seconds, _, _ = prepare(workload, args.cold_prepare)
-        print(json.dumps({"prepare_seconds": seconds}))
+        prepared = prepare(workload, args.cold_prepare, cache_dir=args.cache_dir)
+        job: dict[str, Any] = {"prepare_seconds": prepared.seconds, "eager_call_s": prepared.eager_call_s}
+        if prepared.session is not None:
+            session = prepared.session
+            job.update(
+                session_prepare_seconds=session.prepare_seconds,
+                tuning_calls=session.tuning_calls,
+                passed=session.passed,
+                note=prepared.note,
+            )
+        if args.save_output:
+            np.save(args.save_output, prepared.output)  # np.save adds .npy
+        print(json.dumps(job))
         return 0
     print(f"setting: {setting}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -406,6 +545,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             for line in result.verdicts:
                 print(f"  {line}", flush=True)
+            if args.cold_warm:
+                result.cold_warm = cw = cold_warm(workload.name, args.cold_warm_method, Path(folder), args.threads)
+                done = cw.error or f"cold {cw.cold_s:.1f} s, warm {cw.warm_s:.1f} s, warm/cold {cw.ratio:.2f}"
+                print(f"  cold/warm {cw.method}: {done}", flush=True)
             (args.out / f"{workload.name}.json").write_text(
                 json.dumps({"setting": setting, **asdict(result)}, indent=2)
             )
