@@ -26,7 +26,14 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from aitune_hf.backends.base import Backend, BuiltBackend, Call, current_artifact_place, register_backend
+from aitune_hf.backends.base import (
+    ArtifactPlace,
+    Backend,
+    BuiltBackend,
+    Call,
+    current_artifact_place,
+    register_backend,
+)
 from aitune_hf.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -83,6 +90,9 @@ class OnnxRuntimeBackend(Backend):
         self.opset_version = opset_version
         self.artifact_dir = Path(artifact_dir) if artifact_dir else None
         self.weights = weights
+        #: Exports of earlier builds with their weights taken out, by sibling key (`_sibling_key`): an identical
+        #: sibling's build puts its own weights in instead of exporting again.
+        self._skeletons: dict[Any, _Skeleton] = {}
 
     @property
     def bakes_weights(self) -> bool:  # type: ignore[override]
@@ -178,27 +188,34 @@ class OnnxRuntimeBackend(Backend):
 
         place = current_artifact_place()
         cached = place.load(self, bakes) if place is not None else None
+        large = bakes and _needs_external_data(module)
+        program = None
         if cached is not None:  # a model this backend exported before, for this module, signature and weights
             model, path, cleanup = str(cached / _MODEL_FILE), cached / _MODEL_FILE, None
         else:
-            with _exporting(), torch.inference_mode(False), torch.no_grad():
-                attempts = _dynamic_attempts(samples) if dynamic else [None]
-                for attempt, dims in enumerate(attempts):
-                    try:
-                        program = export(dims)
-                        break
-                    except Exception:
-                        if attempt == len(attempts) - 1:
-                            raise
-                        logger.debug("export with dynamic dims %s failed; trying fewer", dims, exc_info=True)
-                large = bakes and _needs_external_data(module)
-                if place is not None:  # the cache keeps it if this build wins
-                    path, cleanup = place.save() / _MODEL_FILE, None
-                    program.save(str(path), external_data=large)
-                    model = str(path)
-                else:
-                    model, path, cleanup = self._place(program, module, large=large)
-
+            # An identical sibling's export (same class, weight shapes and call) with this module's weights put in.
+            sibling = _sibling_key(module, in_leaves, in_spec, dynamic) if bakes and not large else None
+            skeleton = self._skeletons.get(sibling) if sibling is not None else None
+            proto = _quietly(skeleton.fill, module) if skeleton is not None else None
+            if proto is None:
+                with _exporting(), torch.inference_mode(False), torch.no_grad():
+                    attempts = _dynamic_attempts(samples) if dynamic else [None]
+                    for attempt, dims in enumerate(attempts):
+                        try:
+                            program = export(dims)
+                            break
+                        except Exception:
+                            if attempt == len(attempts) - 1:
+                                raise
+                            logger.debug("export with dynamic dims %s failed; trying fewer", dims, exc_info=True)
+                if sibling is not None:
+                    proto = program.model_proto
+                    skeleton = _quietly(_Skeleton.of, proto, module)
+                    if skeleton is not None:
+                        self._skeletons[sibling] = skeleton
+                        while len(self._skeletons) > _SKELETONS_KEPT:
+                            self._skeletons.pop(next(iter(self._skeletons)))
+            model, path, cleanup = self._place(proto, program, module, large, place)
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = self.intra_op_num_threads or torch.get_num_threads()
         options.inter_op_num_threads = 1
@@ -221,6 +238,7 @@ class OnnxRuntimeBackend(Backend):
         if cached is not None:
             _check_interface(session, weight_names + input_names, output_names)
         runner = _SessionRunner(
+            source="cache" if cached is not None else "export" if program is not None else "sibling",
             session=session,
             device=device,
             input_positions={name: tensor_positions[i] for i, name in enumerate(input_names)},
@@ -241,16 +259,108 @@ class OnnxRuntimeBackend(Backend):
             fn=runner, bakes_weights=bakes, artifacts=artifacts, dynamic_dims=dynamic_dims, loaded=cached is not None
         )
 
-    def _place(self, program: Any, module: torch.nn.Module, large: bool) -> tuple[Any, Path | None, Path | None]:
-        """Where the session reads the model from: `artifact_dir` when set, else memory (or, past protobuf's
-        2 GB limit, a temporary folder removed with the session). Returns (model, saved path, folder to remove)."""
-        if self.artifact_dir is None and not large:
-            return program.model_proto.SerializeToString(), None, None
-        directory = self.artifact_dir or Path(tempfile.mkdtemp(prefix="aitune_hf_onnx_"))
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{type(module).__name__}_{id(module):x}_{len(list(directory.iterdir()))}.onnx"
-        program.save(str(path), external_data=large)
-        return str(path), path, None if self.artifact_dir else directory
+    def _place(
+        self, proto: Any, program: Any, module: torch.nn.Module, large: bool, place: ArtifactPlace | None
+    ) -> tuple[Any, Path | None, Path | None]:
+        """Where the session reads the model (`proto`, else the exported `program`) from: the cache's staging
+        folder, `artifact_dir` when set, else memory (or, past protobuf's 2 GB limit, a temporary folder removed
+        with the session). Returns (model, saved path, folder to remove)."""
+        if place is None and self.artifact_dir is None and not large:
+            return (proto if proto is not None else program.model_proto).SerializeToString(), None, None
+        if place is not None:
+            directory, cleanup = place.save(), None
+            path = directory / _MODEL_FILE
+        else:
+            directory = self.artifact_dir or Path(tempfile.mkdtemp(prefix="aitune_hf_onnx_"))
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / f"{type(module).__name__}_{id(module):x}_{len(list(directory.iterdir()))}.onnx"
+            cleanup = None if self.artifact_dir else directory
+        if proto is not None:
+            import onnx
+
+            onnx.save_model(proto, str(path))
+        else:
+            program.save(str(path), external_data=large)
+        return str(path), path, cleanup
+
+
+#: Sibling exports kept per backend instance (their graphs, without weights).
+_SKELETONS_KEPT = 16
+
+
+def _sibling_key(module: torch.nn.Module, leaves: list[Any], spec: Any, dynamic: bool) -> tuple[Any, ...]:
+    """Modules with equal keys export to the same graph up to their weights' values (checked: a sibling's build
+    is checked against its own eager outputs like any build)."""
+    weights = tuple((name, tuple(t.shape), t.dtype) for name, t in _named_weights(module).items())
+    call = tuple(
+        (tuple(leaf.shape), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
+    )
+    return type(module), weights, str(spec), call, dynamic
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, or None when it raises (a sibling's export is an optimisation: without it, export)."""
+    try:
+        return fn(*args)
+    except Exception:
+        logger.debug("sibling export reuse skipped", exc_info=True)
+        return None
+
+
+class _Skeleton:
+    """An exported model with its weights taken out: which initializer holds which weight, as is or transposed
+    (the exporter folds `weight.T` of a Linear into an initializer of its own)."""
+
+    def __init__(self, proto: Any, slots: list[tuple[int, str, bool]]) -> None:
+        self.proto, self.slots = proto, slots
+
+    @classmethod
+    def of(cls, proto: Any, module: torch.nn.Module) -> _Skeleton | None:
+        """The skeleton of `proto`, exported from `module`; None unless every initializer of two or more
+        elements is one weight of `module`, found by name or (uniquely) by value: an initializer computed from
+        weights in another way would otherwise keep the first module's values."""
+        from onnx import numpy_helper
+
+        weights, seen = {}, set()
+        for name, tensor in _named_weights(module).items():  # a tied weight under its first name only
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                weights[name] = tensor.detach().cpu().numpy()
+        tiny_weights = any(w.size < 2 for w in weights.values())
+        slots = []
+        for index, init in enumerate(proto.graph.initializer):
+            value = numpy_helper.to_array(init)
+            name = init.name.removeprefix("module.")
+            if name in weights and weights[name].shape == value.shape and np.array_equal(weights[name], value):
+                slots.append((index, name, False))
+                continue
+            if value.size < 2 and not tiny_weights:
+                continue  # a constant of the graph (a shape, an epsilon), shared by every sibling
+            found = [(n, False) for n, w in weights.items() if w.shape == value.shape and np.array_equal(w, value)]
+            if value.ndim == 2:
+                found += [
+                    (n, True) for n, w in weights.items() if w.shape == value.shape[::-1] and np.array_equal(w.T, value)
+                ]
+            if len(found) != 1:
+                return None
+            slots.append((index, *found[0]))
+        skeleton = copy.deepcopy(proto)
+        for index, _, _ in slots:
+            skeleton.graph.initializer[index].ClearField("raw_data")
+        return cls(skeleton, slots)
+
+    def fill(self, module: torch.nn.Module) -> Any:
+        """A model for `module`: this skeleton with `module`'s weights."""
+        from onnx import numpy_helper
+
+        weights = _named_weights(module)
+        proto = copy.deepcopy(self.proto)
+        for index, name, transposed in self.slots:
+            tensor = weights[name].detach().cpu()
+            value = np.ascontiguousarray((tensor.T if transposed else tensor).numpy())
+            init = proto.graph.initializer[index]
+            init.CopyFrom(numpy_helper.from_array(value, init.name))
+        return proto
 
 
 #: The model's file name inside an artifact folder (external data, if any, sits beside it).
@@ -404,6 +514,7 @@ class _SessionRunner:
 
     def __init__(
         self,
+        source: str,
         session: Any,
         device: torch.device,
         input_positions: dict[str, int],
@@ -416,6 +527,8 @@ class _SessionRunner:
         out_shapes: list[tuple[int, ...]] | None,
         out_dtypes: list[torch.dtype],
     ) -> None:
+        #: Where the model came from: "export", "sibling" (an identical sibling's export with these weights), "cache".
+        self.source = source
         self.session = session
         self.device = device
         graph_inputs = {i.name for i in session.get_inputs()}

@@ -228,3 +228,41 @@ def test_building_never_touches_the_module_other_threads_are_calling(weights: st
         server.join()
     assert not errors and seen and all(seen), (errors[:1], seen.count(False))
     check(built, module, x)
+
+
+class Folded(nn.Module):
+    """Uses `weight * 2` as a whole tensor: the exporter folds it into an initializer that no weight equals."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.weight * 2)
+
+
+def _builds(backend: OnnxRuntimeBackend, modules: list[nn.Module], x: torch.Tensor) -> list[BuiltBackend]:
+    with torch.no_grad():
+        return [backend.build(m, m.forward, [((x,), {})], dynamic=True) for m in modules]
+
+
+def test_identical_siblings_share_one_export_with_their_own_weights() -> None:
+    backend, x = OnnxRuntimeBackend(), torch.randn(3, 8)
+    siblings = [MLP().eval() for _ in range(3)]
+    builds = _builds(backend, siblings, x)
+    assert [b.fn.source for b in builds] == ["export", "sibling", "sibling"]
+    with torch.no_grad():
+        for module, built in zip(siblings, builds, strict=True):
+            torch.testing.assert_close(built.fn(x), module(x), **TOL)  # each with its own weights
+        wider = torch.randn(5, 8)
+        torch.testing.assert_close(builds[2].fn(wider), siblings[2](wider), **TOL)  # the family's dims stay free
+
+
+def test_a_graph_with_a_constant_folded_from_weights_is_exported_for_every_sibling() -> None:
+    backend, x = OnnxRuntimeBackend(), torch.randn(3, 8)
+    siblings = [Folded().eval() for _ in range(2)]
+    builds = _builds(backend, siblings, x)
+    assert [b.fn.source for b in builds] == ["export", "export"]
+    with torch.no_grad():
+        for module, built in zip(siblings, builds, strict=True):
+            torch.testing.assert_close(built.fn(x), module(x), **TOL)
