@@ -259,7 +259,7 @@ def _result(process: subprocess.Popen[str]) -> dict[str, Any]:
 def test_a_fresh_process_builds_only_the_cached_winner(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     cold = _result(_worker(tmp_path, cache, ["inductor", "onnxruntime"]))
-    assert cold["diff"] < 1e-4 and cold["hits"] == 0 and cold["built"][0] == ["inductor", "onnxruntime"]
+    assert cold["diff"] < 1e-4 and cold["hits"] == 0 and sorted(cold["built"][0]) == ["inductor", "onnxruntime"]
     warm = _result(_worker(tmp_path, cache, ["inductor", "onnxruntime"]))
     assert warm["diff"] < 1e-4 and warm["hits"] == 2
     assert warm["chosen"] == cold["chosen"]
