@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from aitune_hf.backends.base import PLAIN_VALUES, Backend, BuiltBackend, Call, register_backend
+from aitune_hf.backends.base import PLAIN_VALUES, Backend, BuiltBackend, Call, current_artifact_place, register_backend
 
 
 @register_backend
@@ -88,6 +88,12 @@ class InductorBackend(Backend):
                 if cached is None:
                     cached = self._private[key] = _private_copy(private)
             private = cached
+        # The cache (core/cache.py): Inductor's own artifacts from an earlier process (its FX graph and autotuning
+        # caches, `torch.compiler.load_cache_artifacts`) make this compile a cache hit; Dynamo still traces.
+        place = current_artifact_place()
+        cached = place.load(self, self.freezing) if place is not None else None
+        if cached is not None:
+            torch.compiler.load_cache_artifacts((cached / _ARTIFACTS_FILE).read_bytes())
         compiled = torch.compile(
             _rebind(private, forward),
             backend="inductor",
@@ -110,12 +116,26 @@ class InductorBackend(Backend):
         if dynamic and samples:  # automatic dynamic shapes: a size that varies becomes symbolic at its first change
             tensors = [leaf for leaf in _leaves(samples[0]) if isinstance(leaf, torch.Tensor)]
             dynamic_dims = tuple(frozenset(range(t.dim())) for t in tensors)
+        artifacts = []
+        if place is not None and cached is None:
+            saved = torch.compiler.save_cache_artifacts()  # what this process compiled so far (this build included)
+            if saved is not None:
+                folder = place.save()
+                (folder / _ARTIFACTS_FILE).write_bytes(saved[0])
+                artifacts.append(folder)
         return BuiltBackend(
             fn=_Compiled(compiled, private),
             bakes_weights=self.freezing,
+            artifacts=artifacts,
             dynamic_dims=dynamic_dims,
             fell_back=_eager_frames,
+            loaded=cached is not None,
         )
+
+
+#: Inductor's cache artifacts (`torch.compiler.save_cache_artifacts`) inside an artifact folder. Loading them
+#: unpickles: docs/cache.md says why the cache folder is trusted like code.
+_ARTIFACTS_FILE = "inductor_artifacts.bin"
 
 
 class _Compiled:

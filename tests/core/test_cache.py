@@ -236,15 +236,20 @@ _WORKER = textwrap.dedent(
         "diff": float((out - expected).abs().max()), "hits": stats.hits, "loaded": stats.artifacts_loaded,
         "chosen": [s.chosen for s in signatures], "built": [[c.backend for c in s.candidates] for s in signatures],
         "frames": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+        "fx_hits": int(torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]),
     }}))
     """
 )
 
 
-def _worker(tmp_path: Path, cache: Path, backends: list[str]) -> subprocess.Popen[str]:
+def _worker(
+    tmp_path: Path, cache: Path, backends: list[str], inductor_dir: Path | None = None
+) -> subprocess.Popen[str]:
     script = tmp_path / "worker.py"
     script.write_text(_WORKER.format(root=str(Path(__file__).parents[2]), backends=backends))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if inductor_dir is not None:  # Inductor's own local caches: empty, so that only ours can make a hit
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
     return subprocess.Popen(
         [sys.executable, str(script), str(cache)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -279,3 +284,13 @@ def test_two_processes_writing_at_once(tmp_path: Path) -> None:
     assert not list((cache / "tmp").iterdir())  # nothing half-written is left
     warm = _result(_worker(tmp_path, cache, ["onnxruntime"]))
     assert warm["hits"] == 2 and warm["loaded"] == 2 and warm["diff"] < 1e-4
+
+
+def test_inductor_artifacts_make_a_fresh_process_compile_from_the_cache(tmp_path: Path) -> None:
+    """Each process with its own empty Inductor cache folder: the warm one's compile hits only through the
+    artifacts the cold one left in ours."""
+    cache = tmp_path / "cache"
+    cold = _result(_worker(tmp_path, cache, ["inductor"], tmp_path / "inductor-cold"))
+    assert cold["diff"] < 1e-4 and cold["chosen"] == ["inductor", "inductor"] and cold["fx_hits"] == 0
+    warm = _result(_worker(tmp_path, cache, ["inductor"], tmp_path / "inductor-warm"))
+    assert warm["diff"] < 1e-4 and warm["hits"] == 2 and warm["loaded"] >= 1 and warm["fx_hits"] >= 1
