@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import contextvars
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ class BuiltBackend:
 
 class ArtifactPlace(abc.ABC):
     """Where a build finds a cached artifact and where it writes the one it makes: set by the tuning core around
-    the builds of one tuning (`artifact_place`), read by backends that persist what they build (ONNX models).
+    the builds of one tuning (`build_context(place=...)`), read by backends that persist what they build (ONNX models).
     A backend that finds nothing here builds as it would without a cache."""
 
     @abc.abstractmethod
@@ -57,21 +58,37 @@ class ArtifactPlace(abc.ABC):
         """A fresh, empty local folder to write a new artifact into (published if this build wins)."""
 
 
-_PLACE: contextvars.ContextVar[ArtifactPlace | None] = contextvars.ContextVar("aitune_hf_artifact_place", default=None)
+@dataclass(frozen=True)
+class BuildContext:
+    """What the tuning core tells the builds of one tuning, besides their arguments (`build_context`).
+
+    Attributes:
+        place: where builds read cached artifacts and write new ones (the persistent cache), or None.
+        sibling: the module is an identical sibling of one built before (same class, weight shapes, call), whose
+            decision the core is applying: a backend may reuse that build's work with this module's weights
+            (ONNX Runtime reuses the export). The core checks the result against eager as any build, and
+            builds afresh, without this flag, if the check fails.
+    """
+
+    place: ArtifactPlace | None = None
+    sibling: bool = False
+
+
+_BUILD: contextvars.ContextVar[BuildContext] = contextvars.ContextVar("aitune_hf_build", default=BuildContext())  # noqa: B039 (frozen)
 
 
 @contextlib.contextmanager
-def artifact_place(place: ArtifactPlace | None) -> Iterator[None]:
-    """Builds inside this block (in this thread) read and write artifacts through `place`."""
-    token = _PLACE.set(place)
+def build_context(**changes: Any) -> Iterator[None]:
+    """Builds inside this block (in this thread) see `current_build()` with `changes` applied."""
+    token = _BUILD.set(dataclasses.replace(_BUILD.get(), **changes))
     try:
         yield
     finally:
-        _PLACE.reset(token)
+        _BUILD.reset(token)
 
 
-def current_artifact_place() -> ArtifactPlace | None:
-    return _PLACE.get()
+def current_build() -> BuildContext:
+    return _BUILD.get()
 
 
 class Backend(abc.ABC):

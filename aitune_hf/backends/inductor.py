@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from aitune_hf.backends.base import PLAIN_VALUES, Backend, BuiltBackend, Call, current_artifact_place, register_backend
+from aitune_hf.backends.base import PLAIN_VALUES, Backend, BuiltBackend, Call, current_build, register_backend
 
 
 @register_backend
@@ -90,7 +90,7 @@ class InductorBackend(Backend):
             private = cached
         # The cache (core/cache.py): Inductor's own artifacts from an earlier process (its FX graph and autotuning
         # caches, `torch.compiler.load_cache_artifacts`) make this compile a cache hit; Dynamo still traces.
-        place = current_artifact_place()
+        place = current_build().place
         cached = place.load(self, self.freezing) if place is not None else None
         if cached is not None:
             torch.compiler.load_cache_artifacts((cached / _ARTIFACTS_FILE).read_bytes())

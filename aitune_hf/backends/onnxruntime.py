@@ -31,7 +31,7 @@ from aitune_hf.backends.base import (
     Backend,
     BuiltBackend,
     Call,
-    current_artifact_place,
+    current_build,
     register_backend,
 )
 from aitune_hf.errors import ConfigError
@@ -186,16 +186,17 @@ class OnnxRuntimeBackend(Backend):
                 dump_exported_program=False,
             )
 
-        place = current_artifact_place()
+        place, sibling_build = current_build().place, current_build().sibling
         cached = place.load(self, bakes) if place is not None else None
         large = bakes and _needs_external_data(module)
         program = None
         if cached is not None:  # a model this backend exported before, for this module, signature and weights
             model, path, cleanup = str(cached / _MODEL_FILE), cached / _MODEL_FILE, None
         else:
-            # An identical sibling's export (same class, weight shapes and call) with this module's weights put in.
+            # An identical sibling's export (same class, weight shapes and call) with this module's weights put in,
+            # when the core applies that sibling's decision (it checks the result, and exports afresh if it fails).
             sibling = _sibling_key(module, in_leaves, in_spec, dynamic) if bakes and not large else None
-            skeleton = self._skeletons.get(sibling) if sibling is not None else None
+            skeleton = self._skeletons.get(sibling) if sibling is not None and sibling_build else None
             proto = _quietly(skeleton.fill, module) if skeleton is not None else None
             if proto is None:
                 with _exporting(), torch.inference_mode(False), torch.no_grad():

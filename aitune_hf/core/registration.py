@@ -303,6 +303,7 @@ class Registration:
             end_to_end=dict(self.end_to_end) if self.end_to_end else None,
             tuning_seconds=sum(r.tuning_seconds for r in [*reports.values(), *self.descended.values()]),
             descended=dict(self.descended),
+            cache=self.cache.stats.line() if self.cache is not None else None,
         )
 
     def detach(self) -> None:

@@ -139,6 +139,7 @@ class TuningReport:
     end_to_end: dict[str, float] | None = None  # eager_s, tuned_s, speedup (measured by the caller)
     tuning_seconds: float = 0.0
     descended: dict[str, ModuleReport] = field(default_factory=dict)  # replaced by targets inside them
+    cache: str | None = None  # what the persistent cache did (`CacheStats.line()`), when it is on
 
     COLUMNS = ("target", "class", "state", "backend", "eager ms", "tuned ms", "speed-up", "max err", "note")
 
@@ -151,6 +152,9 @@ class TuningReport:
             if shared:  # the timings shown are the sibling's: this block was checked, not timed
                 note = f"{note}; " if note else ""
                 note += f"decision and timings shared with {shared}"
+            elif any(s.from_cache for s in report.signatures):  # the timings shown are an earlier process's
+                note = f"{note}; " if note else ""
+                note += "decision and timings from the cache (winner built alone, checked against eager)"
             shapes = sum(s.shapes for s in report.signatures if s.chosen != "eager")
             checks = sum(s.shape_checks for s in report.signatures)
             if checks or shapes > len(report.signatures):
@@ -202,6 +206,8 @@ class TuningReport:
                         f"+ timing {phases['timing_s']:.1f}"
                     )
             lines.append(f"tuning seconds: {'; '.join(parts)}")
+        if self.cache:
+            lines.append(self.cache)
         for name, report in self.descended.items():
             lines.append(f"descended into {name} ({report.module_class}): as a whole it stayed eager: {report.reason}")
         if self.end_to_end:
@@ -270,6 +276,7 @@ class TuningReport:
             "tuning_seconds": self.tuning_seconds,
             "modules": {name: report.to_dict() for name, report in self.modules.items()},
             "descended": {name: report.to_dict() for name, report in self.descended.items()},
+            "cache": self.cache,
         }
 
     @classmethod
@@ -299,6 +306,7 @@ class TuningReport:
             end_to_end=end_to_end,
             tuning_seconds=data.get("tuning_seconds") or 0.0,
             descended={name: module(raw) for name, raw in (data.get("descended") or {}).items()},
+            cache=data.get("cache") if isinstance(data.get("cache"), str) else None,
         )
 
     def plot(self, ax: Any = None, **kwargs: Any) -> Any:

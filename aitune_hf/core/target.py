@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from aitune_hf.backends.base import Backend, BuiltBackend, artifact_place
+from aitune_hf.backends.base import Backend, BuiltBackend, build_context
 from aitune_hf.core.cache import Consultation, consult
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
@@ -570,7 +570,7 @@ class Target:
         with (
             consult(context.cache, self.module, signatures, dynamic, context.config, context.candidates,
                     repr(context.strategy)) as entry,
-            artifact_place(entry.place if entry is not None else None),
+            build_context(place=entry.place if entry is not None else None),
         ):  # fmt: skip
             decision = None
             # A sibling's decision, not this target's own: its own earlier one was made in another module state.
@@ -625,7 +625,8 @@ class Target:
         report.eager_latency_s = decision.report.eager_latency_s
         if decision.backend is None:
             return job.keep_eager(decision.report.reason or "eager kept")
-        result, built = job.try_backend(decision.backend)
+        with build_context(sibling=True):
+            result, built = job.try_backend(decision.backend)
         if built is None:
             report.shared_from = report.from_cache = None
             report.candidates.clear()

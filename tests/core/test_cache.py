@@ -66,6 +66,8 @@ def test_a_second_registration_starts_warm_from_the_cache(tmp_path: Path) -> Non
     assert first.from_cache and [c.backend for c in first.candidates] == ["onnxruntime"]
     assert sum(target.report().calls.get("onnxruntime", 0) for target in warm.targets.values()) == 4
     assert "2 decision(s) reused" in stats.line()  # the second block took the first's, from the cache
+    text = str(warm.report())
+    assert stats.line() in text and "decision and timings from the cache" in text
 
 
 def test_read_only_reuses_and_writes_nothing(tmp_path: Path) -> None:
