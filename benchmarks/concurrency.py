@@ -41,7 +41,6 @@ import platform
 import sys
 import tempfile
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -57,7 +56,7 @@ from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as 
 
 import aitune_hf
 from aitune_hf import AITunePipeline, testing
-from aitune_hf.core.timing import Stopwatch
+from aitune_hf.core.timing import Stopwatch, clock
 
 # Tuning is measured from scratch: aitune_hf's persistent cache (on by default) stays off unless AITUNE_HF_CACHE
 # is set (a folder, to measure a warm start) or a run passes its own cache_dir.
@@ -154,7 +153,7 @@ class Poller:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            now = time.perf_counter() - self.t0  # a moment, not a duration: on the clock of Stopwatch.start
+            now = clock() - self.t0  # a moment, not a duration: on the clock of Stopwatch.start
             for name, target in self.registration.targets.items():
                 if name not in self.decided_at and target.decided:
                     self.decided_at[name] = round(now, 3)

@@ -15,7 +15,6 @@ import functools
 import logging
 import statistics
 import threading
-import time
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.registration import Registration, register
 from aitune_hf.core.strategy import Strategy
 from aitune_hf.core.target import TargetState
+from aitune_hf.core.timing import Stopwatch
 from aitune_hf.errors import UsageError
 from aitune_hf.hf.hooks import install_slot_locators, weight_motion
 from aitune_hf.hf.targets import FoundTarget, TargetSelection, as_modules, find_targets
@@ -200,13 +200,12 @@ class AITuneMixin:
         eager, tuned = [], []
         with state.whole_call():  # what the calls below reach (generate()'s forwards) is part of them, not counted
             for _ in range(rounds):
-                with state.registration.bypass():
-                    start = time.perf_counter()
+                with state.registration.bypass(), Stopwatch() as watch:
                     call(*args, **kwargs)
-                    eager.append(time.perf_counter() - start)
-                start = time.perf_counter()
-                call(*args, **kwargs)
-                tuned.append(time.perf_counter() - start)
+                eager.append(watch.seconds)
+                with Stopwatch() as watch:
+                    call(*args, **kwargs)
+                tuned.append(watch.seconds)
         state.measured = True
         what = "whole calls" if method == "__call__" else f"{method}() calls"
         return _record_end_to_end(state, eager, tuned, f"interleaved {what}, {rounds} rounds, medians")
@@ -232,9 +231,9 @@ class AITuneMixin:
             return call(*args, **kwargs)
         tuned_before = registration.all_tuned
         untouched = not any(t.armed or t.decided for t in registration.targets.values())
-        start = time.perf_counter()
-        output = call(*args, **kwargs)
-        seconds = time.perf_counter() - start
+        with Stopwatch() as watch:
+            output = call(*args, **kwargs)
+        seconds = watch.seconds
         with state.lock:  # each count is seen by exactly one thread, so arming happens once
             state.calls += 1
             calls = state.calls
