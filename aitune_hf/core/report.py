@@ -98,6 +98,10 @@ class ModuleReport:
 
     @property
     def speedup(self) -> float | None:
+        """One signature: the speed-up its decision was made on (`SignatureReport.speedup`); several: the ratio of
+        the summed latencies."""
+        if len(self.signatures) == 1:
+            return self.signatures[0].speedup
         return _ratio(self.eager_latency_s, self.tuned_latency_s)
 
     @property
