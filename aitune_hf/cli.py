@@ -243,7 +243,7 @@ def _tune_and_check(work: Workload, args: argparse.Namespace, out: Any) -> tuple
         "threads": args.threads,
         "backends": backends,
         "cache_dir": None if config.cache_dir is None else str(config.cache_dir),
-        "cache": config.cache,
+        "cache_mode": config.cache,
         **session.facts(),
     }
     return report, facts
@@ -364,11 +364,39 @@ def cmd_report(args: argparse.Namespace, out: Any) -> int:
     return EXIT_OK
 
 
+def cmd_cache(args: argparse.Namespace, out: Any) -> int:
+    """List the entries of a tuning cache (module, signature, winner, size), verify every artifact against its
+    manifest (exit 1 when one fails), or clear it. The folder is the one enable_aitune would use: --cache-dir,
+    else $AITUNE_HF_CACHE, else aitune_hf under the user's cache folder."""
+    from aitune_hf.core.cache import ENV, CacheUnusable, TuningCache, default_location
+
+    say = _printer(out)
+    location = args.cache_dir or os.environ.get(ENV) or default_location()
+    if location.strip().lower() == "off":
+        raise UsageError(f"the cache is off (${ENV}=off); give --cache-dir")
+    try:
+        cache = TuningCache(location, read_only=args.action != "clear")
+    except CacheUnusable as error:
+        raise UsageError(str(error)) from None
+    if args.action == "clear":
+        say(f"{location}: removed {cache.clear()} entr(ies)")
+        return EXIT_OK
+    entries = cache.entries(verify=args.action == "verify")
+    say(f"{location}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}")
+    for entry in entries:
+        say(f"  {entry.describe()}")
+    if args.action == "verify":
+        bad = [entry for entry in entries if entry.problem]
+        say(f"verify: {len(entries) - len(bad)} whole, {len(bad)} with a problem")
+        return EXIT_FAIL if bad else EXIT_OK
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Reading a saved report
 # --------------------------------------------------------------------------------------------------------------
 
-_REPORT_KEYS = ("modules", "end_to_end", "tuning_seconds")
+_REPORT_KEYS = ("modules", "end_to_end", "tuning_seconds", "descended", "cache")
 
 
 def format_report(data: dict[str, Any]) -> str:
@@ -400,6 +428,7 @@ def details(data: dict[str, Any]) -> str:
     for name, module in (data.get("modules") or {}).items():
         for sig in module.get("signatures") or []:
             shared = f", decision shared with {sig['shared_from']}" if sig.get("shared_from") else ""
+            shared += f", decision from cache entry {sig['from_cache']}" if sig.get("from_cache") else ""
             lines.append(f"{name} [{sig.get('signature')}] -> {sig.get('chosen')}{shared}")
             if sig.get("reason"):
                 lines.append(f"    reason: {sig['reason']}")
@@ -410,15 +439,20 @@ def details(data: dict[str, Any]) -> str:
                     lines.extend(_indented(cand.get("details")))
                     continue
                 speedup = cand.get("speedup")
-                build = cand.get("build_seconds")
                 err = cand.get("max_abs_error")
+                seconds = ", ".join(
+                    f"{phase} {_seconds(cand.get(f'{phase}_seconds'))}" for phase in ("build", "check", "timing")
+                )
                 lines.append(
                     f"    {cand.get('backend')}: "
                     f"{'-' if speedup is None else f'{speedup:.2f}x'}, "
-                    f"max err {'-' if err is None else f'{err:.1e}'}, "
-                    f"build {'-' if build is None else f'{build:.1f} s'}"
+                    f"max err {'-' if err is None else f'{err:.1e}'}, {seconds}"
                 )
     return "\n".join(lines)
+
+
+def _seconds(value: Any) -> str:
+    return "-" if value is None else f"{value:.1f} s"
 
 
 def _indented(text: Any) -> list[str]:
@@ -576,6 +610,15 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("path", help="a JSON file written by `aitune-hf demo --json` / `tune --report` / to_json()")
     report.add_argument("--details", action="store_true", help="also print every candidate, with full error texts")
     report.set_defaults(func=cmd_report)
+
+    cache = sub.add_parser(
+        "cache", help="list, verify or clear a tuning cache (docs/cache.md)", description=cmd_cache.__doc__
+    )
+    cache.add_argument("action", choices=("ls", "verify", "clear"), help="ls: entries; verify: check every artifact")
+    cache.add_argument(
+        "--cache-dir", metavar="DIR", help="a folder or an fsspec URL (default: $AITUNE_HF_CACHE, else the user cache)"
+    )
+    cache.set_defaults(func=cmd_cache)
     return parser
 
 

@@ -68,7 +68,8 @@ def test_demo_json_has_report_and_facts(demo) -> None:
     assert "unet.mid_block" in data["modules"]
     assert data["family"] == "sd" and data["size"] == "tiny" and data["threads"] == 1
     assert data["max_abs_diff"] <= 1e-3 and data["passed"] is True
-    assert data["cache_dir"] == str(path.parent / "cache") and data["cache"] == "rw"  # --cache-dir passed through
+    assert data["cache_dir"] == str(path.parent / "cache") and data["cache_mode"] == "rw"  # --cache-dir passed through
+    assert "decision(s) reused" in data["cache"]  # the cache's line in the report
     assert data["prepare_seconds"] >= data["tuning_call_seconds"] > 0
 
 
@@ -220,8 +221,25 @@ def test_tune_one_named_target_writes_the_report(sd_folder: Path, tmp_path: Path
     assert list(data["modules"]) == ["unet.mid_block"]
     assert data["modules"]["unet.mid_block"]["state"] == "tuned"
     assert data["kind"] == "diffusers" and data["passed"] is True
-    assert data["cache"] == "off"
+    assert data["cache_mode"] == "off" and data["cache"] is None
     assert "PASS" in out.getvalue()
+
+
+def test_cache_ls_verify_clear(demo, capsys: pytest.CaptureFixture[str]) -> None:
+    """On the demo's cache: the entries it wrote, each artifact verified; a damaged one fails verify; clear."""
+    cache = demo[2].parent / "cache"
+    assert main(["cache", "ls", "--cache-dir", str(cache)]) == 0
+    listing = capsys.readouterr().out
+    entries = list((cache / "entries").iterdir())
+    assert entries and f"{len(entries)} entr" in listing and "-> onnxruntime" in listing
+    assert main(["cache", "verify", "--cache-dir", str(cache)]) == 0
+    assert f"verify: {len(entries)} whole, 0 with a problem" in capsys.readouterr().out
+    model = next(cache.glob("entries/*/*/model.onnx"))
+    model.write_bytes(model.read_bytes()[:100])
+    assert main(["cache", "verify", "--cache-dir", str(cache)]) == 1
+    assert "truncated or changed" in capsys.readouterr().out
+    assert main(["cache", "clear", "--cache-dir", str(cache)]) == 0
+    assert f"removed {len(entries)} entr" in capsys.readouterr().out and not (cache / "entries").exists()
 
 
 def test_python_dash_m_runs_the_same_cli() -> None:

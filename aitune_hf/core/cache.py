@@ -125,9 +125,9 @@ class Entry:
     def describe(self) -> str:
         if self.record is None:
             return f"{self.key}  unreadable: {self.problem}"
-        fields = self.record.get("fields", {})
+        fields, report = self.record.get("fields", {}), self.record.get("report", {})
         text = (
-            f"{self.key}  {fields.get('module', '?')}  [{fields.get('signature', '?')}]  -> {self.record.get('chosen')}"
+            f"{self.key}  {fields.get('module', '?')}  [{report.get('signature', '?')}]  -> {self.record.get('chosen')}"
             f"  ({len(self.artifacts)} artifact(s), {self.size_bytes / 2**20:.1f} MiB)"
         )
         return f"{text}  PROBLEM: {self.problem}" if self.problem else text
