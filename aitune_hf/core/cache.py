@@ -60,6 +60,8 @@ MARKER = "aitune_hf-cache.json"
 DECISION = "decision.json"
 MANIFEST = "manifest.json"
 _HASH_CHUNK = 1 << 20
+#: How the strategies mark a candidate skipped for the tuning budget (`TuningJob.skip_for_budget`).
+_BUDGET_CUT = "skipped: tuning budget"
 
 
 def default_location() -> str:
@@ -273,7 +275,10 @@ class TuningCache:
             if self.local:
                 Path(target).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
                 staged = Path(self.root) / "tmp" / f"artifact-{uuid.uuid4().hex}"
-                shutil.copytree(folder, staged)  # the build's folder is removed with its staging
+                try:  # the build's folder sits in this root's tmp/ (one file system): moved, not copied
+                    os.rename(folder, staged)
+                except OSError:
+                    shutil.copytree(folder, staged)
                 old = None
                 if Path(target).exists():
                     old = Path(self.root) / "tmp" / f"old-{uuid.uuid4().hex}"
@@ -559,7 +564,8 @@ class Consultation:
             if staged and built.artifacts[0].parent == self.place.staging:
                 name = self.place.name(decision.backend, built.bakes_weights)
                 cache.write_artifact(self.key, name, built.artifacts[0])
-            if new_decision:
+            cut = [c.backend for c in decision.report.candidates if (c.error or "").startswith(_BUDGET_CUT)]
+            if new_decision and not cut:  # a decision cut short by the budget is no decision for later processes
                 record = {
                     "fields": self.fields,
                     "chosen": decision.report.chosen,

@@ -296,3 +296,18 @@ def test_inductor_artifacts_make_a_fresh_process_compile_from_the_cache(tmp_path
     assert cold["diff"] < 1e-4 and cold["chosen"] == ["inductor", "inductor"] and cold["fx_hits"] == 0
     warm = _result(_worker(tmp_path, cache, ["inductor"], tmp_path / "inductor-warm"))
     assert warm["diff"] < 1e-4 and warm["hits"] == 2 and warm["loaded"] >= 1 and warm["fx_hits"] >= 1
+
+
+def test_a_decision_cut_short_by_the_budget_is_not_kept(tmp_path: Path) -> None:
+    x = torch.randn(4, 32)
+    model = _model()
+    registration = register(model, {**QUICK, "cache_dir": tmp_path, "budget_s": 1e-9})
+    with torch.no_grad():
+        model(x)
+        registration.tune()
+        torch.testing.assert_close(model(x), _eager(model, x), atol=0, rtol=0)
+    assert all(s.chosen == "eager" for s in _signatures(registration))
+    assert registration.cache.stats.written == 0 and not (tmp_path / "entries").exists()
+    registration.detach()
+    registration, _ = _tuned(_model(), x, cache_dir=tmp_path)  # without the budget: tuned, and kept
+    assert registration.cache.stats.misses == 1 and registration.cache.stats.written == 3
