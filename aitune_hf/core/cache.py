@@ -37,7 +37,7 @@ import shutil
 import stat
 import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -582,21 +582,15 @@ class Consultation:
 
 @contextlib.contextmanager
 def consult(
-    cache: TuningCache | None,
-    module: torch.nn.Module,
-    signatures: Sequence[InputSignature],
-    dynamic: bool,
-    config: TuningConfig,
-    candidates: Sequence[Backend],
-    strategy: str,
+    cache: TuningCache | None, module: torch.nn.Module, fields_of: Callable[[], dict[str, Any]]
 ) -> Iterator[Consultation | None]:
-    """The entry for tuning `signatures` of `module` (None without a cache), with artifacts staged for the
-    duration of the block."""
+    """The entry for tuning `module` whose key holds `fields_of()` (`key_fields`), or None without a cache; its
+    artifacts are staged for the duration of the block."""
     if cache is None:
         yield None
         return
     try:
-        fields = key_fields(module, signatures, dynamic, config, candidates, strategy)
+        fields = fields_of()
         key = cache.key(fields)
         record = cache.read_decision(key, fields)
     except Exception as error:  # the cache never breaks tuning

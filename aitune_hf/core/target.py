@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from aitune_hf.backends.base import Backend, BuiltBackend, build_context
-from aitune_hf.core.cache import Consultation, consult
+from aitune_hf.core.cache import Consultation, consult, key_fields
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.guards import ModuleGuard
@@ -568,8 +568,9 @@ class Target:
         key = _sibling_key(self.module, signatures) if context.config.share_identical else None
         shared = context.decisions.get(key) if key is not None else None
         with (
-            consult(context.cache, self.module, signatures, dynamic, context.config, context.candidates,
-                    repr(context.strategy)) as entry,
+            consult(context.cache, self.module, lambda: key_fields(
+                self.module, signatures, dynamic, context.config, context.candidates, repr(context.strategy)
+            )) as entry,
             build_context(place=entry.place if entry is not None else None),
         ):  # fmt: skip
             decision = None
