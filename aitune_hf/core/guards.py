@@ -494,9 +494,15 @@ class _WeightValues:
         return None
 
 
-#: Attributes that say where a model was loaded from, not what it computes: left out of `state_fingerprint`, so
-#: that one model loaded from two paths (a fleet's replicas) has one fingerprint.
-_INCIDENTAL = frozenset({"_name_or_path", "name_or_path", "_commit_hash", "transformers_version", "_diffusers_version"})
+#: Attributes (and config keys) that say where a model was loaded from, or how its config was written, not what it
+#: computes: left out of `state_fingerprint`, so that one model loaded twice, or from two paths (a fleet's
+#: replicas), has one fingerprint.
+_INCIDENTAL = frozenset(
+    {
+        "_name_or_path", "name_or_path", "_commit_hash", "transformers_version", "_diffusers_version",
+        "_use_default_values",  # Diffusers' config: a list made from a set, in a per-process order
+    }
+)  # fmt: skip
 
 
 def state_fingerprint(module: torch.nn.Module) -> str:
@@ -547,7 +553,9 @@ def _stable(value: Any, depth: int = 0) -> str:
         items = [_stable(item, depth + 1) for item in value]
         return f"{type(value).__name__}[{', '.join(sorted(items) if isinstance(value, set | frozenset) else items)}]"
     if depth < 4 and isinstance(value, dict) and len(value) <= _MAX_CONTAINER:
-        items = sorted(f"{_stable(k, depth + 1)}: {_stable(v, depth + 1)}" for k, v in value.items())
+        items = sorted(
+            f"{_stable(k, depth + 1)}: {_stable(v, depth + 1)}" for k, v in value.items() if k not in _INCIDENTAL
+        )
         return f"{type(value).__name__}{{{', '.join(items)}}}"
     if isinstance(value, torch.Tensor):
         return f"tensor{tuple(value.shape)}{value.dtype}"
