@@ -21,13 +21,56 @@ os.environ["AITUNE_HF_CACHE"] = "off"
 WATCHED_LOGGERS = ("", "torch.onnx", "onnxscript", "onnx_ir", "torch.export", "torch._export")
 
 
+def _pin_threads() -> int:
+    """Each xdist worker gets its share of the cores as torch threads (one each with two workers on two cores), so
+    that workers do not fight over cores and timings inside a test are steady; fresh processes that a test starts
+    inherit the count through OMP_NUM_THREADS."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    return threads
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _pin_threads()
     # torch 2.13's ONNX exporter warns this from inside torch on every export (a deepcopy of a pytree LeafSpec);
     # the backend no longer silences warnings (not thread-safe), so the tests do, for this one only.
     config.addinivalue_line("filterwarnings", r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")
     # Libraries that add warnings filters when first imported (sympy, imported by the first export or compile):
     # imported here, once, so that the per-test check below sees what a test did, not what an import did.
     import sympy  # noqa: F401
+
+
+#: Modules whose tests run together on one xdist worker: each builds a tuned pipeline or model in a module-scoped
+#: fixture (tens of seconds) that its tests only read. Every other test is shared out on its own.
+WHOLE_MODULES = frozenset(
+    {
+        "tests/test_cli.py",
+        "tests/test_session.py",
+        "tests/test_testing_factories.py",
+        "tests/core/test_inductor.py",
+        "tests/hf/test_boundaries.py",
+        "tests/hf/test_copies.py",
+        "tests/hf/test_discovery.py",
+        "tests/hf/test_pipelines.py",
+        "tests/hf/test_transformers.py",
+    }
+)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's own way to keep tests together (`--dist loadgroup` with `xdist_group` marks) renames node ids
+    through an attribute pytest 9.2 no longer reads, so it shares them out one by one. This scheduler does what it
+    should: a module of `WHOLE_MODULES` is one unit of work, any other test its own; the larger units go first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WholeModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in WHOLE_MODULES else nodeid
+
+    return WholeModules(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

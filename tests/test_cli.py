@@ -22,15 +22,21 @@ QUICK = ["--repeats", "3", "--warmup", "1", "--rounds", "2", "--no-progress"]
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path, int]:
-    """One tiny demo run: (exit code, stdout, the --json path, torch threads before it), with an empty cache
-    folder of its own (`--cache-dir`: the folder next to the JSON)."""
+    """One tiny demo run of two UNet stages: (exit code, stdout, the --json path, torch threads after it), with an
+    empty cache folder of its own (`--cache-dir`: the folder next to the JSON). The demo pins one thread; it runs
+    with one more than the worker has, which it must give back."""
     path = tmp_path_factory.mktemp("cli") / "report.json"
     out = io.StringIO()
     threads = torch.get_num_threads()
     argv = ["demo", "--family", "sd", "--size", "tiny", "--backends", "onnxruntime", *QUICK, "--json", str(path)]
-    argv += ["--cache-dir", str(path.parent / "cache")]
-    code = main(argv, stdout=out)
-    return code, out.getvalue(), path, threads
+    argv += ["--cache-dir", str(path.parent / "cache"), "--targets", "unet.down_blocks.0,unet.mid_block"]
+    torch.set_num_threads(threads + 1)
+    try:
+        code = main(argv, stdout=out)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
+    return code, out.getvalue(), path, after - 1
 
 
 @pytest.fixture(scope="module")

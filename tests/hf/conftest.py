@@ -9,8 +9,6 @@ import torch
 
 from aitune_hf import testing
 
-QUICK = {"progress": False, "warmup": 1, "repeats": 3}
-
 
 @pytest.fixture(scope="session")
 def pipeline_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from aitune_hf import AITunePipeline
-from tests.hf.conftest import QUICK, run
+from tests.hf.conftest import run
+from tests.quick import ORT
 
-ORT = {**QUICK, "backends": ["onnxruntime"], "min_speedup": 0.0}
 BLOCKS = ["unet.down_blocks.0", "unet.down_blocks.1", "unet.up_blocks.0", "unet.up_blocks.1", "vae.decoder.mid_block"]
 
 

@@ -20,7 +20,8 @@ from aitune_hf import AITuneModel, AITunePipeline, enable_aitune
 from aitune_hf.errors import UsageError
 from aitune_hf.hf.loading import concrete_class, is_dynamic_class, with_aitune
 from aitune_hf.testing import minilm_path
-from tests.hf.conftest import QUICK, run, unpatched
+from tests.hf.conftest import run, unpatched
+from tests.quick import QUICK
 
 SD_TARGETS = ["unet.mid_block", "unet.up_blocks.0"]
 

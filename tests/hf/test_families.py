@@ -22,8 +22,12 @@ from torch._dynamo.utils import counters
 
 from aitune_hf import TargetState, enable_aitune
 from aitune_hf.testing import MODEL_FAMILIES, build_family, call_family, family_inputs, load_family
+from tests.quick import ORT as QUICK_ORT
 
-ORT: dict[str, Any] = {"backends": ["onnxruntime"], "min_speedup": 0, "progress": False, "warmup": 1, "repeats": 2}
+#: Exact shapes: each family's blocks exported at the shapes they are called with (a third of the time of a shape
+#: family's dynamic export). The default path, shape families, is tested end to end on the SD pipeline (every block,
+#: tests/hf/test_pipelines.py), on MiniLM and sentence-transformers (tests/hf/test_shapes.py) and in the core.
+ORT: dict[str, Any] = {**QUICK_ORT, "repeats": 2}
 TOL = {"atol": 1e-4, "rtol": 1e-4}  # fp32 tiny models: ONNX Runtime's kernels reorder sums, nothing more
 CALLS = 3
 

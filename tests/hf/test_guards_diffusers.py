@@ -25,8 +25,8 @@ import torch
 from aitune_hf import AITunePipeline, TargetState
 from tests.hf.conftest import call_kwargs, run, unpatched
 from tests.hf.lora import build_sd_lora
+from tests.quick import ORT
 
-ORT = {"backends": ["onnxruntime"], "min_speedup": 0, "progress": False, "warmup": 1, "repeats": 3}
 ATOL = 1e-4  # ONNX Runtime vs eager on these latents: ~1e-5; a stale graph: > 1e-2
 CHANGED = 1e-3  # a state change must move the eager latents by more than this
 STEPS = call_kwargs("sd")["num_inference_steps"]  # one UNet forward per step (CFG is batched)

@@ -12,10 +12,12 @@ from diffusers.hooks import HookRegistry
 
 from aitune_hf import AITuneModel, AITunePipeline, TargetState
 from aitune_hf.testing import minilm_path
-from tests.hf.conftest import QUICK, run, unpatched
+from tests.hf.conftest import run, unpatched
+from tests.quick import ORT
 
-ORT = {"backends": ["onnxruntime"], "min_speedup": 0, **QUICK}
 CPU = torch.device("cpu")
+#: The tiny SD UNet's stages: what model CPU offload moves around each call (the UNet as a whole).
+UNET_STAGES = ["unet.down_blocks.0", "unet.down_blocks.1", "unet.mid_block", "unet.up_blocks.0", "unet.up_blocks.1"]
 
 
 def _load(folder):
@@ -32,10 +34,10 @@ def test_model_cpu_offload_blocks(pipeline_folders) -> None:
     pipe = _load(pipeline_folders["sd"])
     expected = run(pipe, "sd")
     pipe.enable_model_cpu_offload(device="cpu")
-    registration = pipe.enable_aitune("blocks", **ORT)
+    registration = pipe.enable_aitune(UNET_STAGES, **ORT)
     outputs = [run(pipe, "sd") for _ in range(3)]  # record, tune, tuned; hooks are re-applied after each
     assert hasattr(pipe.unet, "_hf_hook")  # the offload hooks are live
-    unet_blocks = [t for n, t in registration.targets.items() if n.startswith("unet.")]
+    unet_blocks = list(registration.targets.values())
     assert all(t.state is TargetState.TUNED for t in unet_blocks), registration.report()
     assert all(t.calls_served.get("onnxruntime", 0) >= 2 for t in unet_blocks)  # served after re-application
     for out in outputs:
@@ -102,7 +104,13 @@ def test_group_offload_block_level(pipeline_folders) -> None:
     block = pipe.transformer.transformer_blocks[0]
     assert "group_offloading" in block._diffusers_hook.hooks
     registration = pipe.enable_aitune(
-        "blocks", backends=["onnxruntime", "inductor"], min_speedup=0, progress=False, warmup=1, repeats=2
+        "blocks",
+        backends=["onnxruntime", "inductor"],
+        min_speedup=0,
+        progress=False,
+        warmup=1,
+        repeats=2,
+        shapes="exact",
     )
     name = "transformer.transformer_blocks.0"
     target = registration.targets[name]

@@ -8,12 +8,11 @@ import torch
 
 from aitune_hf import AITuneModel, TargetState, enable_aitune
 from aitune_hf.testing import minilm_path
-from tests.hf.conftest import QUICK
+from tests.quick import ORT_FAMILY
 
 sentence_transformers = pytest.importorskip("sentence_transformers")
 pytest.importorskip("onnxruntime")
 
-ORT = {"backends": ["onnxruntime"], "min_speedup": 0, **QUICK}
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in tall green trees".split()  # noqa: SIM905
 
 
@@ -50,7 +49,7 @@ def test_sentence_transformer_enabled_on_the_wrapper_serves_other_batches_and_le
     texts, queries = corpus(40), corpus(12, seed=1, longest=60)
     eager = model.encode(texts, batch_size=16, convert_to_tensor=True)
     eager_queries = [model.encode(q, convert_to_tensor=True) for q in queries]
-    registration = enable_aitune(model, **ORT)
+    registration = enable_aitune(model, **ORT_FAMILY)
     assert list(registration.targets) == [f"0.model.encoder.layer.{i}" for i in range(6)]  # found inside the wrapper
     model.encode(texts, batch_size=16)  # encode() is a whole call: it records
     tuned = model.encode(texts, batch_size=16, convert_to_tensor=True)  # tunes at its start, then serves
@@ -87,7 +86,7 @@ def test_forward_called_directly_arms_by_the_targets_own_calls(st_path, caplog) 
     model = sentence_transformers.SentenceTransformer(st_path, device="cpu")
     texts = corpus(24, seed=2)
     eager = model.encode(texts, batch_size=8, convert_to_tensor=True)
-    registration = enable_aitune(model[0].auto_model, **ORT)
+    registration = enable_aitune(model[0].auto_model, **ORT_FAMILY)
     with caplog.at_level("INFO", logger="aitune_hf.hf.mixin"):
         first = model.encode(texts, batch_size=8, convert_to_tensor=True)  # 3 forwards: the 2nd tunes
     assert "no whole call seen" in caplog.text
@@ -100,7 +99,7 @@ def test_forward_called_directly_arms_by_the_targets_own_calls(st_path, caplog) 
 
 def test_manual_trigger_without_whole_calls_warns_once(st_path, caplog) -> None:
     model = sentence_transformers.SentenceTransformer(st_path, device="cpu")
-    enable_aitune(model[0].auto_model, tune_after_calls=None, **ORT)
+    enable_aitune(model[0].auto_model, tune_after_calls=None, **ORT_FAMILY)
     with caplog.at_level("WARNING", logger="aitune_hf.hf.mixin"):
         for _ in range(10):
             model.encode(["a short sentence"])
@@ -117,7 +116,7 @@ def test_a_transformers_model_fed_thirty_sequence_lengths(st_path) -> None:
     calls = [torch.randint(1000, 20000, (2, n), generator=g) for n in lengths]
     with torch.inference_mode():
         expected = [model(input_ids=ids).last_hidden_state for ids in calls]
-        registration = model.enable_aitune(**ORT)
+        registration = model.enable_aitune(**ORT_FAMILY)
         model(input_ids=calls[0])
         model(input_ids=calls[0])  # tunes
         for ids, want in zip(calls, expected, strict=True):  # the first pass checks each new length once

@@ -11,9 +11,8 @@ from transformers import AutoModel, AutoTokenizer, BertModel
 
 from aitune_hf import AITuneModel, AITunePipeline, TargetState, enable_aitune
 from aitune_hf.testing import minilm_path
-from tests.hf.conftest import QUICK, unpatched
-
-ORT = {"backends": ["onnxruntime"], "min_speedup": 0, **QUICK}
+from tests.hf.conftest import unpatched
+from tests.quick import ORT
 
 
 @pytest.fixture(scope="module")
