@@ -167,7 +167,9 @@ class OnnxRuntimeBackend(Backend):
             # Weights are passed as they are (no copy) unless they are inference tensors, which the exporter
             # cannot take outside inference mode; tied weights are passed once per name.
             example = tuple(w.clone() if w.is_inference() else w.detach() for w in weights.values())
-            example += tuple(in_leaves[i].clone() for i in tensor_positions)
+            # Row-major examples: the exporter cannot take every layout (channels-last, transposed views); the graph
+            # does not depend on it, and `_cpu_array` feeds the session row-major copies of such inputs.
+            example += tuple(in_leaves[i].clone(memory_format=torch.contiguous_format) for i in tensor_positions)
             dynamic_shapes = None
             if dims is not None:
                 auto = torch.export.Dim.AUTO
@@ -451,6 +453,13 @@ def _private_twin(module: torch.nn.Module, forward: Callable[..., Any]) -> tuple
             twin = copy.deepcopy(module)
     except Exception:
         return module, forward
+    # Weights in another memory format (`module.to(memory_format=torch.channels_last)`): the exporter turns each
+    # into an initializer through a byte view that needs row-major storage. The copy's weights are made row-major;
+    # the values, which is all the graph holds, are the same.
+    with torch.no_grad():
+        for tensor in [*twin.parameters(), *twin.buffers()]:
+            if not tensor.is_contiguous():
+                tensor.data = tensor.data.contiguous()
     return twin, types.MethodType(forward.__func__, twin)
 
 

@@ -3,18 +3,29 @@
 Layout under the cache root (a local folder or an fsspec URL), one entry per key::
 
     aitune_hf-cache.json                      marker: {"format": FORMAT}
-    entries/<key>/decision.json               the decision, the candidates' figures, and the key's fields
+    entries/<key>/decision.json               a backend won: the decision, the candidates' figures, the key's fields
+    entries/<key>/negative.json               eager was kept (nothing faster, every candidate failed): the same,
+                                              with an expiry
     entries/<key>/<backend>-<weights>/        an artifact: files + manifest.json (each file's size and sha256)
     tmp/                                      staging; moved into place by a rename (local) or a move (fsspec)
     locks/<key>.lock                          a file lock around writes (local folders)
 
 What an entry's key holds (`key_fields`): the module's class and structure (each submodule's class, each
-parameter's and buffer's name, shape and dtype) and every plain value the guard checks (`state_fingerprint`);
-the input signature (or shape family) and grad mode; the candidate backends with their options, the strategy and
-the thresholds; the versions of aitune_hf, torch, onnxruntime, onnx and onnxscript; the device (CPU
+parameter's and buffer's name, shape, dtype and memory layout) and every plain value the guard checks
+(`state_fingerprint`); the input signature (or shape family) with grad mode and the call's modes (autocast, default
+dtype, ...), and the memory layout of the recorded call's tensors; the candidate backends with their options, the
+strategy and the thresholds; the versions of aitune_hf, torch, onnxruntime, onnx and onnxscript; the device (CPU
 architecture, ISA and the flags that change kernels, or the GPU's name and compute capability) and the thread
 count. An artifact that bakes weights sits in a folder named by the weights' digest: a LoRA fused into them,
 `load_state_dict` or any edit gives another digest, so it is never loaded for other weights.
+
+A negative result never poisons the cache: an eager decision goes to `negative.json`, apart from the positive one. It
+is written only where no positive decision is, is removed when one is written, is ignored once a positive one is
+there, and expires after `NEGATIVE_TTL_S` (then the module is tuned again). A decision cut short by the tuning budget,
+and a tuning that raised, are not kept at all.
+
+A cache folder that cannot be written (a read-only file system, a volume mounted read-only, no permission) is read
+and never written: one warning says so, and tuning goes on as usual.
 
 Safety: records are JSON (never unpickled) and checked field by field; an artifact's files are checked against
 their manifest's sizes and digests before they are used; anything that fails is ignored with a warning (and, in
@@ -54,10 +65,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: The layout and record format; a record of another format is ignored (and replaced in "rw" mode).
-FORMAT = 1
+FORMAT = 2
 ENV = "AITUNE_HF_CACHE"
 MARKER = "aitune_hf-cache.json"
 DECISION = "decision.json"
+NEGATIVE = "negative.json"
+#: How long an eager decision is reused before the module is tuned again (a week).
+NEGATIVE_TTL_S = 7 * 24 * 3600
 MANIFEST = "manifest.json"
 _HASH_CHUNK = 1 << 20
 #: How the strategies mark a candidate skipped for the tuning budget (`TuningJob.skip_for_budget`).
@@ -103,12 +117,15 @@ class CacheStats:
     written: int = 0  # decisions and artifacts written
     artifacts_loaded: int = 0
     problems: list[str] = field(default_factory=list)  # entries ignored, with why
+    unwritable: str | None = None  # why a cache opened "rw" is only read (a read-only file system)
 
     def line(self) -> str:
         parts = [f"cache {self.location} ({self.mode}): {self.hits} decision(s) reused, {self.misses} tuned"]
         if self.artifacts_loaded:
             parts.append(f"{self.artifacts_loaded} artifact(s) loaded")
         parts.append(f"{self.written} written" if self.mode == "rw" else "read-only: nothing written")
+        if self.unwritable:
+            parts.append(f"not writable: {self.unwritable}")
         if self.problems:
             parts.append(f"{len(self.problems)} entr{'y' if len(self.problems) == 1 else 'ies'} ignored")
         return "; ".join(parts)
@@ -119,17 +136,26 @@ class Entry:
     """One cached decision, as `aitune-hf cache ls` shows it."""
 
     key: str
-    record: dict[str, Any] | None
+    record: dict[str, Any] | None  # the positive decision, else the negative one
     artifacts: list[str]
     size_bytes: int
     problem: str | None = None
+
+    @property
+    def negative(self) -> bool:
+        """True when the entry holds an eager decision (`negative.json`) and no positive one."""
+        return self.record is not None and "expires" in self.record
 
     def describe(self) -> str:
         if self.record is None:
             return f"{self.key}  unreadable: {self.problem}"
         fields, report = self.record.get("fields", {}), self.record.get("report", {})
+        chosen = self.record.get("chosen")
+        if self.negative:
+            expired = " (expired: tuned again at next use)" if _expired(self.record) else ""
+            chosen = f"eager, negative until {self.record.get('expires')}{expired}: {report.get('reason')}"
         text = (
-            f"{self.key}  {fields.get('module', '?')}  [{report.get('signature', '?')}]  -> {self.record.get('chosen')}"
+            f"{self.key}  {fields.get('module', '?')}  [{report.get('signature', '?')}]  -> {chosen}"
             f"  ({len(self.artifacts)} artifact(s), {self.size_bytes / 2**20:.1f} MiB)"
         )
         return f"{text}  PROBLEM: {self.problem}" if self.problem else text
@@ -148,10 +174,19 @@ class TuningCache:
         except (ImportError, ValueError) as error:
             raise CacheUnusable(f"{location!r}: {error}") from None
         self.local = "file" in _protocols(self.fs) or "local" in _protocols(self.fs)
+        unwritable = None
         if self.local:
             self.root = os.path.abspath(self.root)
             self._check_local_root()
-        self.stats = CacheStats(location, "ro" if read_only else "rw")
+            if not read_only:
+                unwritable = self._unwritable()
+        if unwritable is not None:
+            logger.warning(
+                "aitune_hf cache %s cannot be written (%s): reading it and writing nothing; tuning goes on", self.root,
+                unwritable,
+            )  # fmt: skip
+            self.read_only = True
+        self.stats = CacheStats(location, "ro" if self.read_only else "rw", unwritable=unwritable)
 
     # -- safety -------------------------------------------------------------------------------------------------
     def _check_local_root(self) -> None:
@@ -171,6 +206,19 @@ class TuningCache:
                     "in this process. Use a folder only you can write (chmod 700), or a fleet URL"
                 )
 
+    def _unwritable(self) -> str | None:
+        """Why this local root cannot be written (a read-only file system, no permission), or None: its staging
+        folder is created and a file written and removed there, as a tuning would."""
+        try:
+            staging = Path(self.root) / "tmp"
+            staging.mkdir(mode=0o700, exist_ok=True)
+            handle, probe = tempfile.mkstemp(dir=staging, prefix=".probe-")
+            os.close(handle)
+            os.unlink(probe)
+        except OSError as error:
+            return error.strerror or str(error)
+        return None
+
     # -- keys ---------------------------------------------------------------------------------------------------
     @staticmethod
     def key(fields: dict[str, Any]) -> str:
@@ -181,9 +229,18 @@ class TuningCache:
 
     # -- decisions ----------------------------------------------------------------------------------------------
     def read_decision(self, key: str, fields: dict[str, Any]) -> dict[str, Any] | None:
-        """The record for `key` when it is whole, of this format and made for exactly `fields`; else None (a
-        warning says why when a record is there but unusable)."""
-        path = self._path("entries", key, DECISION)
+        """The positive record for `key`, else its negative one while it has not expired; each only when it is
+        whole, of this format and made for exactly `fields`; else None (a warning says why when a record is there
+        but unusable)."""
+        record = self._read(key, DECISION, fields)
+        if record is None:
+            record = self._read(key, NEGATIVE, fields)
+            if record is not None and _expired(record):
+                return None  # tuned again; what that tuning decides replaces it
+        return record
+
+    def _read(self, key: str, name: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+        path = self._path("entries", key, name)
         try:
             with self.fs.open(path, "rb") as handle:
                 raw = handle.read()
@@ -199,11 +256,22 @@ class TuningCache:
         return record
 
     def write_decision(self, key: str, record: dict[str, Any]) -> None:
+        """Write `record` as the entry's decision: a positive one (a backend won) replaces the negative one; a negative
+        one (eager kept) is written, with its expiry, only where no positive one is."""
         if self.read_only:
             return
+        negative = record.get("chosen") == "eager"
+        if negative:
+            expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=NEGATIVE_TTL_S)
+            record = {**record, "expires": expires.isoformat(timespec="seconds")}
         data = json.dumps({"format": FORMAT, "key": key, **record}, indent=1, sort_keys=True, default=str).encode()
+        positive, apart = self._path("entries", key, DECISION), self._path("entries", key, NEGATIVE)
         with self._lock(key):
-            self._publish_bytes(self._path("entries", key, DECISION), data)
+            if negative and self.fs.exists(positive):
+                return  # a negative result never replaces a positive one
+            self._publish_bytes(apart if negative else positive, data)
+            if not negative and self.fs.exists(apart):
+                self.fs.rm(apart)  # nor outlives one
         self.stats.written += 1
 
     # -- artifacts ----------------------------------------------------------------------------------------------
@@ -307,12 +375,13 @@ class TuningCache:
             folder = self._path("entries", key)
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(folder, detail=False)]
             size = sum(self.fs.du(self._path("entries", key, n)) for n in names)
-            artifacts = sorted(n for n in names if n != DECISION)
+            artifacts = sorted(n for n in names if n not in (DECISION, NEGATIVE))
+            record_name = DECISION if DECISION in names else NEGATIVE
             try:
-                with self.fs.open(self._path("entries", key, DECISION), "rb") as handle:
+                with self.fs.open(self._path("entries", key, record_name), "rb") as handle:
                     raw = handle.read()
             except (FileNotFoundError, IsADirectoryError):
-                found.append(Entry(key, None, artifacts, size, "no decision.json"))
+                found.append(Entry(key, None, artifacts, size, f"no {DECISION} or {NEGATIVE}"))
                 continue
             problem, record = _parse_record(raw, key, None)
             entry = Entry(key, record, artifacts, size, problem)
@@ -380,6 +449,15 @@ class TuningCache:
         self.fs.mv(temporary, path)
 
 
+def _expired(record: dict[str, Any]) -> bool:
+    """True for a negative record whose expiry has passed (or cannot be read)."""
+    try:
+        expires = datetime.datetime.fromisoformat(str(record.get("expires")))
+    except ValueError:
+        return True
+    return expires <= datetime.datetime.now(datetime.timezone.utc)
+
+
 def _protocols(fs: Any) -> tuple[str, ...]:
     protocol = fs.protocol
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
@@ -431,14 +509,17 @@ def key_fields(
     config: TuningConfig,
     candidates: Sequence[Backend],
     strategy: str,
+    layout: str,
 ) -> dict[str, Any]:
-    """Everything a decision depends on (see the module docstring), as JSON-ready text."""
+    """Everything a decision depends on (see the module docstring), as JSON-ready text. `layout`: the memory layout of
+    the recorded call's tensors (`signature.layout_of`)."""
     signature = signatures[0]
     kind = type(module)
     return {
         "module": f"{kind.__module__}.{kind.__qualname__}",
         "state": state_fingerprint(module),
         "signature": repr(signature.family) if dynamic else repr(signature),
+        "layout": layout,
         "shapes": config.shapes if dynamic else "exact",
         "training": module.training,
         "backends": [backend.describe() for backend in candidates],

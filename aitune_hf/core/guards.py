@@ -348,10 +348,14 @@ _SAMPLES_PER_TENSOR = 16
 
 def _sample_view(tensor: torch.Tensor) -> torch.Tensor:
     """A strided view of about `_SAMPLES_PER_TENSOR` elements spread over `tensor` (whole when small): it reads
-    the live storage, so in-place edits are seen. A non-contiguous tensor is read whole."""
+    the live storage, so in-place edits are seen. A dense tensor in another memory format (channels-last weights) is
+    sampled through its dimensions in storage order; any other non-contiguous tensor is read whole."""
     flat = tensor.detach()
     if not flat.is_contiguous():
-        return flat
+        in_storage_order = flat.permute(sorted(range(flat.dim()), key=lambda d: (-flat.stride(d), -d)))
+        if not in_storage_order.is_contiguous():
+            return flat
+        flat = in_storage_order
     flat = flat.view(-1)
     stride = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
     return flat[stride // 2 :: stride]
@@ -521,7 +525,7 @@ def state_fingerprint(module: torch.nn.Module) -> str:
         digest.update(f"\n{path}:{_type_name(obj)}".encode())
         for key in ("_parameters", "_buffers"):
             for name, tensor in (getattr(obj, key, None) or {}).items():
-                spec = "None" if tensor is None else f"{tuple(tensor.shape)}{tensor.dtype}"
+                spec = "None" if tensor is None else f"{tuple(tensor.shape)}{tensor.dtype}{_layout_mark(tensor)}"
                 digest.update(f"\n{path}.{name}={spec}".encode())
         if depth >= _OBJECT_DEPTH:
             return
@@ -537,6 +541,33 @@ def state_fingerprint(module: torch.nn.Module) -> str:
     for name, sub in module.named_modules(remove_duplicate=False):
         add(name, sub, 0)
     return digest.hexdigest()
+
+
+def _layout_mark(tensor: torch.Tensor) -> str:
+    """ "" for a contiguous tensor, else its strides: weights in another memory format (`module.to(memory_format=
+    torch.channels_last)`) export and compile differently, so they are another cache entry."""
+    return "" if tensor.is_contiguous() else f"@{tensor.stride()}"
+
+
+def training_reason(module: torch.nn.Module) -> str | None:
+    """Why calls of `module` are training-mode calls now, or None: the module itself is in training mode
+    (`module.train()`: dropout and every `self.training` branch are live), or a dropout (p > 0) or batch/instance
+    norm inside it is (its output is random, or it updates running statistics). Such calls run eager and are never
+    recorded or tuned: nothing they return can be checked against eager.
+
+    Submodules whose training flag changes nothing are ignored: peft leaves its LoRA layers in training mode after
+    `load_lora_weights` (their dropout is an Identity at the default p=0), under a model in eval mode.
+    """
+    if module.training:
+        return f"{type(module).__name__} is in training mode (module.train())"
+    for name, sub in module.named_modules():
+        if not sub.training:
+            continue
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
+            return f"{name} ({type(sub).__name__}, p={sub.p:g}) is in training mode: its output is random"
+        if isinstance(sub, torch.nn.modules.batchnorm._NormBase):
+            return f"{name} ({type(sub).__name__}) is in training mode: it normalises by batch statistics"
+    return None
 
 
 def _type_name(value: Any) -> str:

@@ -258,8 +258,10 @@ class Registration:
 
     @property
     def all_tuned(self) -> bool:
-        """True when every target has reached a decision (TUNED or EAGER)."""
-        return all(target.decided for target in self._targets.values())
+        """True when every target that has been called has reached a decision (TUNED or EAGER), and one has. Idle
+        targets (never called, such as a VAE's encoder stages in a text-to-image pipeline) are not waited for."""
+        targets = self._targets.values()
+        return any(t.decided for t in targets) and all(t.decided or t.idle for t in targets)
 
     @property
     def detached(self) -> bool:

@@ -81,6 +81,8 @@ class ModuleReport:
     changes: list[str] = field(default_factory=list)  # what changed, for the latest guard failures (oldest first)
     routes: int = 0  # built routes: one per (signature, guarded module state)
     signatures_over_limit: int = 0  # calls of signatures beyond max_signatures: run eager, not recorded
+    idle: bool = False  # never called since registration (a VAE's encoder where nothing encodes)
+    training: str | None = None  # why its latest calls ran eager in training mode (`guards.training_reason`)
 
     @property
     def backend(self) -> str:
@@ -151,6 +153,8 @@ class TuningReport:
         """Table rows, one per target, as strings."""
         rows = []
         for report in self.modules.values():
+            if report.idle:  # listed in the summary, not as a row
+                continue
             note = report.reason or ""
             shared = next((s.shared_from for s in report.signatures if s.shared_from), None)
             if shared:  # the timings shown are the sibling's: this block was checked, not timed
@@ -175,6 +179,9 @@ class TuningReport:
             if report.changes:  # a guard failed: say what changed since the backend was built
                 note = f"{note}; " if note else ""
                 note += f"changed since built: {report.changes[-1]} ({report.routes} route(s))"
+            if report.training:
+                note = f"{note}; " if note else ""
+                note += f"runs eager in training mode, never tuned in it: {report.training}"
             rows.append(
                 [
                     report.name,
@@ -193,11 +200,15 @@ class TuningReport:
     def summary_lines(self) -> list[str]:
         counts: dict[str, int] = {}
         for report in self.modules.values():
-            counts[report.state] = counts.get(report.state, 0) + 1
+            state = "idle" if report.idle else report.state
+            counts[state] = counts.get(state, 0) + 1
         lines = [
             f"targets: {len(self.modules)} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); "
             f"tuning {self.tuning_seconds:.1f} s"
         ]
+        idle = [name for name, report in self.modules.items() if report.idle]
+        if idle:
+            lines.append(f"idle (never called, not waited for): {', '.join(idle)}")
         split = self.seconds_split()
         if split:
             parts = []

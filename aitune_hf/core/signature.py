@@ -35,9 +35,71 @@ def _spec_text(dims: Sequence[Any], dtype: torch.dtype, device: torch.device) ->
     return f"{str(dtype).removeprefix('torch.')}[{'x'.join(str(d) for d in dims) or 'scalar'}]@{device}"
 
 
+#: Autocast device types a call may run under (`torch.is_autocast_enabled(device_type)`).
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+class CallContext(NamedTuple):
+    """The process- and thread-wide modes a forward may compute differently under, read on every routed call (about
+    1 us): autocast (per device type: its dtype, when on), the default dtype (tensors a forward creates without one),
+    deterministic algorithms, and the scaled-dot-product-attention backends allowed (flash, memory-efficient, math,
+    cuDNN; `torch.nn.attention.sdpa_kernel` sets them, on CPU too). Grad and inference mode are fields of
+    `InputSignature` itself; training mode is module state (`core.guards.training_reason`).
+
+    A call is served only by a route built under an equal context, and a signature is tuned only in a call made under
+    its own context (its replays then see the modes its calls saw)."""
+
+    autocast: tuple[tuple[str, torch.dtype], ...]
+    default_dtype: torch.dtype
+    deterministic: bool
+    sdpa: tuple[bool, bool, bool, bool]
+
+    def describe(self) -> str:
+        """What differs from the defaults ("" when nothing does): "autocast cpu bfloat16, deterministic"."""
+        parts = [f"autocast {device} {str(dtype).removeprefix('torch.')}" for device, dtype in self.autocast]
+        if self.default_dtype != torch.float32:
+            parts.append(f"default dtype {str(self.default_dtype).removeprefix('torch.')}")
+        if self.deterministic:
+            parts.append("deterministic")
+        if not all(self.sdpa):
+            allowed = [name for name, on in zip(("flash", "efficient", "math", "cudnn"), self.sdpa, strict=True) if on]
+            parts.append(f"sdpa {'+'.join(allowed) or 'none'}")
+        return ", ".join(parts)
+
+
+def _autocast() -> tuple[tuple[str, torch.dtype], ...]:
+    if not torch._C._is_any_autocast_enabled():
+        return ()
+    found = []
+    for device in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device):
+                found.append((device, torch.get_autocast_dtype(device)))
+        except RuntimeError:  # a device type this build of torch does not know
+            continue
+    return tuple(found)
+
+
+def call_context() -> CallContext:
+    """The modes of the current call (see `CallContext`)."""
+    c = torch._C
+    return CallContext(
+        _autocast(),
+        torch.get_default_dtype(),
+        c._get_deterministic_algorithms(),
+        (
+            c._get_flash_sdp_enabled(),
+            c._get_mem_efficient_sdp_enabled(),
+            c._get_math_sdp_enabled(),
+            c._get_cudnn_sdp_enabled(),
+        ),
+    )
+
+
 @dataclass(frozen=True)
 class InputSignature:
-    """The structure of a call's (args, kwargs), each tensor's spec, each scalar's value, and grad mode.
+    """The structure of a call's (args, kwargs), each tensor's spec, each scalar's value, grad mode, and the modes it
+    ran under (`CallContext`).
 
     Two calls with equal signatures can be served by the same compiled artifact.
     """
@@ -46,6 +108,7 @@ class InputSignature:
     leaves: tuple[Any, ...]  # TensorSpec for tensors, the value for scalars, the type name otherwise
     grad_enabled: bool
     inference_mode: bool
+    context: CallContext
 
     @property
     def tensor_specs(self) -> tuple[TensorSpec, ...]:
@@ -73,6 +136,7 @@ class InputSignature:
             tuple(_rank_of(leaf) if isinstance(leaf, TensorSpec) else leaf for leaf in self.leaves),
             self.grad_enabled,
             self.inference_mode,
+            self.context,
         )
 
     def short(self) -> str:
@@ -84,6 +148,9 @@ class InputSignature:
             text += f" | {', '.join(scalars)}"
         if self.grad_enabled:
             text += " | grad"
+        context = self.context.describe()
+        if context:
+            text += f" | {context}"
         return text
 
     def __str__(self) -> str:
@@ -109,6 +176,7 @@ class ShapeFamily(NamedTuple):
     leaves: tuple[Any, ...]
     grad_enabled: bool
     inference_mode: bool
+    context: CallContext
 
 
 def describe_family(signatures: Sequence[InputSignature]) -> str:
@@ -166,6 +234,7 @@ def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> InputSignatur
         leaves=tuple(_leaf_key(leaf) for leaf in leaves),
         grad_enabled=torch.is_grad_enabled(),
         inference_mode=torch.is_inference_mode_enabled(),
+        context=call_context(),
     )
 
 
@@ -324,3 +393,22 @@ class Sample:
         if not self.stateful:
             return []
         return [leaf for leaf in pytree.tree_leaves(call) if not isinstance(leaf, _VALUE_LEAVES)]
+
+
+def layout_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The memory layout of each tensor of a call, in pytree order: "c" (contiguous), "cl" (channels-last), "cl3d",
+    or its strides. Not part of the signature (every backend takes any layout: ONNX Runtime copies to contiguous,
+    Inductor specialises), but of the cache key: an export's or compile's outcome may depend on it."""
+    kinds = []
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if leaf.is_contiguous():
+            kinds.append("c")
+        elif leaf.dim() == 4 and leaf.is_contiguous(memory_format=torch.channels_last):
+            kinds.append("cl")
+        elif leaf.dim() == 5 and leaf.is_contiguous(memory_format=torch.channels_last_3d):
+            kinds.append("cl3d")
+        else:
+            kinds.append("s" + "/".join(map(str, leaf.stride())))
+    return ",".join(kinds)

@@ -68,6 +68,11 @@ class NoEvidence(Exception):
     """No sample of a signature can serve as evidence (non-finite eager output, or not replayable)."""
 
 
+class DrawsRandomNumbers(Exception):
+    """The forward draws from torch's default random generators: no backend can give its output and leave the
+    user's random stream where eager leaves it, so eager is kept (the message is the reason)."""
+
+
 class TuningJob:
     """Everything a strategy needs to tune one signature, or one shape family, of one target.
 
@@ -125,6 +130,7 @@ class TuningJob:
         self.samples: list[Sample] = []
         self.references: list[Any] = []
         self._timed: list[int] = []  # indices into samples of the calls that are timed
+        streams = _random_streams()
         with Stopwatch(self.devices) as references, self.mode():
             for signature, sample in replayable:
                 call = sample.as_call()
@@ -135,6 +141,11 @@ class TuningJob:
                         self._timed.append(len(self.samples))
                     self.samples.append(sample)
                     self.references.append(reference)
+        if not all(torch.equal(a, b) for a, b in zip(streams, _random_streams(), strict=True)):
+            raise DrawsRandomNumbers(
+                "the forward draws from torch's random generators (a dropout in training mode, a noise term): a "
+                "backend would leave the random stream elsewhere than eager does"
+            )
         if not self.samples:
             raise NoEvidence(
                 f"no finite eager reference: all {len(replayable)} recorded call(s) gave non-finite outputs"
@@ -306,6 +317,15 @@ class TuningJob:
 
     def failures(self) -> str:
         return "; ".join(f"{c.backend}: {c.error}" for c in self.report.candidates if c.error)
+
+
+def _random_streams() -> list[torch.Tensor]:
+    """The states of torch's default generators a forward may draw from: the CPU one, and each CUDA device's once
+    CUDA is initialised (the tuning core restores them after every replay: `core.rng.rng_preserved`)."""
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
 
 
 def _all_finite(value: Any) -> bool:

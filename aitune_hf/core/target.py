@@ -31,17 +31,28 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._C._dynamo.eval_frame import set_eval_frame  # what torch.compiler.disable calls around a function
 
 from aitune_hf.backends.base import Backend, BuiltBackend, build_context
 from aitune_hf.core.cache import Consultation, consult, key_fields
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
-from aitune_hf.core.guards import ModuleGuard
+from aitune_hf.core.guards import ModuleGuard, training_reason
 from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import ModuleReport, SignatureReport
-from aitune_hf.core.signature import InputSignature, Sample, ShapeFamily, covers, describe_family, signature_of
+from aitune_hf.core.rng import rng_preserved
+from aitune_hf.core.signature import (
+    InputSignature,
+    Sample,
+    ShapeFamily,
+    call_context,
+    covers,
+    describe_family,
+    layout_of,
+    signature_of,
+)
 from aitune_hf.core.slots import ForwardSlot, all_slots, locate_slot
-from aitune_hf.core.strategy import Decision, NoEvidence, TuningJob
+from aitune_hf.core.strategy import Decision, DrawsRandomNumbers, NoEvidence, TuningJob
 from aitune_hf.core.timing import Stopwatch
 from aitune_hf.errors import UsageError
 
@@ -114,6 +125,10 @@ class _ForwardRouter:
 
     A copy of a module (`copy.deepcopy`, pickle, `torch.save`) gets the eager forward in its place, never
     this router: a copy is never served by the original's built backends.
+
+    Under a user's `torch.compile` (of the model, of a forward, or Diffusers' `compile_repeated_blocks()`), Dynamo
+    never traces into a router (`_outside_compile`): the outer graph breaks at each target and the router runs as
+    it does outside a compile (docs/guarantees.md).
     """
 
     _aitune_guard_opaque = True  # guards compare the router by identity, never its state
@@ -123,7 +138,18 @@ class _ForwardRouter:
         functools.update_wrapper(self, original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._target.call(*args, **kwargs)
+        prior = set_eval_frame(None)  # Dynamo's frame hook off: nothing the call runs is compiled by the user's compile
+        try:
+            return self._target.call(*args, **kwargs)
+        finally:
+            set_eval_frame(prior)
+
+    # What `torch.compiler.disable` marks: Dynamo graph-breaks at a call of it instead of tracing into it (its
+    # SkipFunctionVariable). `torch.compiler.disable` itself is not used: while any thread exports (torch.export sets
+    # a process-wide flag), its wrapper writes into torch.fx's global node metadata on every call, from every thread;
+    # threads serving while another one tuned raced on it (KeyError: 'custom') and could mark the exporting thread's
+    # graph. Tests: tests/hf/test_threads.py (the race), tests/core/test_world.py and tests/hf/test_world.py (compile).
+    __call__._torchdynamo_disable = True  # type: ignore[attr-defined]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return copy.deepcopy(self._target.original_forward, memo)
@@ -156,6 +182,8 @@ class Target:
         self.signatures_over_limit = 0  # calls of signatures beyond config.max_signatures (run eager)
         self.tuning_seconds = 0.0
         self.calls_served: dict[str, int] = {}
+        #: Why the latest call ran in training mode (`guards.training_reason`), until a call is served again.
+        self.training: str | None = None
         #: What changed, for the most recent guard failures.
         self.changes: collections.deque[str] = collections.deque(maxlen=_CHANGES_KEPT)
         self._routes: dict[InputSignature, list[_Route]] = {}
@@ -195,6 +223,12 @@ class Target:
     def decided(self) -> bool:
         """True once the target reached TUNED or EAGER."""
         return self._state in (TargetState.TUNED, TargetState.EAGER)
+
+    @property
+    def idle(self) -> bool:
+        """True while the target has never been called (since registration): a VAE's encoder stages in a pipeline
+        that never encodes. `Registration.all_tuned` does not wait for idle targets."""
+        return not self.calls_served and not self._routes and not self.samples and self._pinned is None
 
     @property
     def pinned_reason(self) -> str | None:
@@ -292,6 +326,14 @@ class Target:
             state = self._state  # the observer may have armed this target
         signature = signature_of(args, kwargs)
         route, change = self._lookup(signature)
+        if route is None:
+            training = training_reason(self.module)
+            if training is not None:  # dropout is live: nothing to record, tune or check; eager, as the module is
+                self.training = training
+                self._count("eager")
+                return self.original_forward(*args, **kwargs)
+        if self.training is not None:
+            self.training = None
         if route is None and self._families:  # a new shape (or state) that a polymorphic build may cover
             checked = self._check_new_shape(signature, args, kwargs)
             if checked is not _NOT_COVERED:
@@ -351,7 +393,9 @@ class Target:
             output = self.original_forward(*args, **kwargs)
             fell_back = built.fell_back() if built.fell_back is not None else 0
             try:
-                check = compare_outputs(output, built.fn(*args, **kwargs), self._context.config.tolerance)
+                with rng_preserved():  # the user's random stream is where eager left it
+                    candidate = built.fn(*args, **kwargs)
+                check = compare_outputs(output, candidate, self._context.config.tolerance)
                 failure = None if check.ok else f"wrong output: {check.reason}"
                 if failure is None and built.fell_back is not None and built.fell_back() > fell_back:
                     failure = "it ran eager at this shape (e.g. Dynamo's recompile limit)"
@@ -472,15 +516,20 @@ class Target:
         # Calls recorded while another thread was tuning may already have a route that holds: nothing to tune.
         for signature in [sig for sig in self.samples if self._lookup(sig)[0] is not None]:
             self.sample_bytes -= sum(sample.nbytes for sample in self.samples.pop(signature))
-        pending = [signature for signature, kept in self.samples.items() if kept]
+        waiting = [signature for signature, kept in self.samples.items() if kept]
+        # Replays must see the modes their calls saw (autocast, default dtype, ...): a signature recorded under other
+        # modes waits, armed, for a call made under them.
+        context = call_context()
+        pending = [signature for signature in waiting if signature.context == context]
         if not pending:
-            self._settle()
+            if not waiting:
+                self._settle()
             return
         self._move(TargetState.TUNING)
         self._context.progress.started(self.name)
         interrupted = None
         try:
-            with Stopwatch() as watch:
+            with Stopwatch() as watch, rng_preserved():  # replays draw random numbers; the user's next draw must not
                 for group, dynamic in self._groups(pending):
                     self._decide(group, {sig: self.samples[sig] for sig in group}, dynamic, started=watch.start)
                     for signature in group:
@@ -528,6 +577,11 @@ class Target:
             self._no_evidence = str(error)  # nothing decided: record again, tune when armed again
             logger.info("%s [%s]: %s", self.name, described, error)
             return
+        except DrawsRandomNumbers as error:
+            count = sum(len(kept) for kept in samples.values())
+            report = SignatureReport(described, count, reason=str(error))
+            self._add_route(signatures, _Route(None, None, report, ModuleGuard(self.module)))
+            return
         except Exception as error:
             reason = f"the eager forward raised when replayed for tuning: {summarize(error)}"
             logger.warning("%s: %s", self.name, reason, exc_info=True)
@@ -569,7 +623,8 @@ class Target:
         shared = context.decisions.get(key) if key is not None else None
         with (
             consult(context.cache, self.module, lambda: key_fields(
-                self.module, signatures, dynamic, context.config, context.candidates, repr(context.strategy)
+                self.module, signatures, dynamic, context.config, context.candidates, repr(context.strategy),
+                layout_of(job.samples[0].args, job.samples[0].kwargs),
             )) as entry,
             build_context(place=entry.place if entry is not None else None),
         ):  # fmt: skip
@@ -676,6 +731,8 @@ class Target:
             changes=list(self.changes),
             routes=self._route_count(),
             signatures_over_limit=self.signatures_over_limit,
+            idle=self.idle,
+            training=self.training,
         )
 
     def __repr__(self) -> str:

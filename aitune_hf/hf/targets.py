@@ -80,10 +80,10 @@ def _join(prefix: str, path: str) -> str:
 def block_paths(component: nn.Module) -> list[str]:
     """Paths of the coarsest repeated units of one component, never two nested ones.
 
-    The first rule that finds something wins: UNet-like stages, the VAE decoder's stages, the classes the
-    component declares (`_repeated_blocks`, else `_no_split_modules`), then the structural fallback.
+    The first rule that finds something wins: UNet-like stages, the VAE's encoder and decoder stages, the classes
+    the component declares (`_repeated_blocks`, else `_no_split_modules`), then the structural fallback.
     """
-    for rule in (_unet_stages, _vae_decoder_stages, _declared_blocks, _repeated_module_lists):
+    for rule in (_unet_stages, _vae_stages, _declared_blocks, _repeated_module_lists):
         paths = rule(component)
         if paths:
             return paths
@@ -102,15 +102,24 @@ def _unet_stages(component: nn.Module) -> list[str]:
     return [f"down_blocks.{i}" for i in range(len(down))] + (["mid_block"] if isinstance(mid, nn.Module) else []) + ups
 
 
-def _vae_decoder_stages(component: nn.Module) -> list[str]:
-    """A VAE runs through decode(), not forward: its decoder's stages."""
-    decoder = getattr(component, "decoder", None)
-    if not callable(getattr(component, "decode", None)) or not isinstance(
-        getattr(decoder, "up_blocks", None), nn.ModuleList
-    ):
+def _vae_stages(component: nn.Module) -> list[str]:
+    """A VAE runs through encode() and decode(), not forward: its encoder's stages (down blocks, then the mid block)
+    and its decoder's (the mid block, then the up blocks). A text-to-image pipeline never calls encode(): those
+    targets stay idle (never called, left out of `Registration.all_tuned`); img2img and inpainting call both."""
+    if not callable(getattr(component, "decode", None)):
         return []
-    mid = ["decoder.mid_block"] if isinstance(getattr(decoder, "mid_block", None), nn.Module) else []
-    return mid + [f"decoder.up_blocks.{i}" for i in range(len(decoder.up_blocks))]
+    paths = []
+    encoder = getattr(component, "encoder", None)
+    if callable(getattr(component, "encode", None)) and isinstance(
+        getattr(encoder, "down_blocks", None), nn.ModuleList
+    ):
+        paths += [f"encoder.down_blocks.{i}" for i in range(len(encoder.down_blocks))]
+        paths += ["encoder.mid_block"] if isinstance(getattr(encoder, "mid_block", None), nn.Module) else []
+    decoder = getattr(component, "decoder", None)
+    if isinstance(getattr(decoder, "up_blocks", None), nn.ModuleList):
+        paths += ["decoder.mid_block"] if isinstance(getattr(decoder, "mid_block", None), nn.Module) else []
+        paths += [f"decoder.up_blocks.{i}" for i in range(len(decoder.up_blocks))]
+    return paths
 
 
 def _declared_blocks(component: nn.Module) -> list[str]:
@@ -166,9 +175,12 @@ def _repeats_one_block(modules: nn.ModuleList) -> bool:
 
 
 def component_paths(name: str, component: nn.Module) -> list[str]:
-    """The path that runs a component as a whole: the VAE's decoder (it runs through decode()), else the root."""
+    """The paths that run a component as a whole: a VAE's encoder and decoder (it runs through encode() and
+    decode(); the encoder stays idle where encode() is never called), else the root."""
     if callable(getattr(component, "decode", None)) and isinstance(getattr(component, "decoder", None), nn.Module):
-        return ["decoder"]
+        encoder = getattr(component, "encoder", None)
+        has_encoder = callable(getattr(component, "encode", None)) and isinstance(encoder, nn.Module)
+        return ["encoder", "decoder"] if has_encoder else ["decoder"]
     return [""]
 
 

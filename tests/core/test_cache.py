@@ -311,3 +311,126 @@ def test_a_decision_cut_short_by_the_budget_is_not_kept(tmp_path: Path) -> None:
     registration.detach()
     registration, _ = _tuned(_model(), x, cache_dir=tmp_path)  # without the budget: tuned, and kept
     assert registration.cache.stats.misses == 1 and registration.cache.stats.written == 3
+
+
+# -- a negative result never poisons the cache (issue 18) --------------------------------------------------------
+
+
+def _failing_export() -> Any:
+    """ONNX Runtime whose builds fail here (as the export of a channels-last UNet once did), under the same name and
+    description as the default one: its decisions go to the same cache entries."""
+    from aitune_hf.backends import OnnxRuntimeBackend
+
+    class FailingOnnxRuntime(OnnxRuntimeBackend):
+        def build(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("self.stride(-1) must be 1 to view Float")
+
+    return FailingOnnxRuntime()
+
+
+def test_a_failed_retune_never_replaces_the_good_entry(tmp_path: Path) -> None:
+    """The same blocks with other weights (no cached artifact fits them) and a build that fails: eager is kept in
+    this process, and the good entry is neither replaced nor joined by a negative one; a fresh registration with
+    the first weights is served by it."""
+    x = torch.randn(4, 32)
+    _tuned(_model(), x, cache_dir=tmp_path)[0].detach()
+    good = sorted(p.name for p in _entry(tmp_path).iterdir())
+    model = _model(seed=1)
+    failing = register(model, {**QUICK, "cache_dir": tmp_path, "backends": [_failing_export()]})
+    with torch.no_grad():
+        model(x)
+        failing.tune()
+        torch.testing.assert_close(model(x), _eager(model, x), atol=0, rtol=0)
+    signatures = _signatures(failing)
+    # the cached winner failed to build here, so it tuned afresh: every candidate failed, eager kept
+    assert [s.chosen for s in signatures] == ["eager", "eager"] and "every candidate failed" in signatures[0].reason
+    failing.detach()
+    assert sorted(p.name for p in _entry(tmp_path).iterdir()) == good  # no negative.json beside the positive one
+    warm, out = _tuned(_model(), x, cache_dir=tmp_path)
+    torch.testing.assert_close(out, _eager(_model(), x), atol=1e-4, rtol=1e-4)
+    assert warm.cache.stats.hits == 2 and [s.chosen for s in _signatures(warm)] == ["onnxruntime", "onnxruntime"]
+
+
+def test_an_eager_decision_is_kept_apart_and_expires(tmp_path: Path) -> None:
+    x = torch.randn(4, 32)
+    cold, _ = _tuned(_model(), x, cache_dir=tmp_path, backends=[_failing_export()])
+    assert [s.chosen for s in _signatures(cold)] == ["eager", "eager"]
+    cold.detach()
+    entry = _entry(tmp_path)
+    assert sorted(p.name for p in entry.iterdir()) == ["negative.json"]
+    warm, _ = _tuned(_model(), x, cache_dir=tmp_path)  # reused while it holds: nothing is built
+    assert warm.cache.stats.hits == 2 and all(not s.candidates for s in _signatures(warm))
+    warm.detach()
+    (listed,) = TuningCache(str(tmp_path)).entries(verify=True)  # what `aitune-hf cache ls|verify` print
+    assert listed.negative and listed.problem is None  # a negative entry is whole, not a problem
+    assert "-> eager, negative until" in listed.describe() and "every candidate failed" in listed.describe()
+    record = json.loads((entry / "negative.json").read_text())
+    (entry / "negative.json").write_text(json.dumps({**record, "expires": "2020-01-01T00:00:00+00:00"}))
+    again, out = _tuned(_model(), x, cache_dir=tmp_path)  # expired: tuned again; the positive result replaces it
+    torch.testing.assert_close(out, _eager(_model(), x), atol=1e-4, rtol=1e-4)
+    assert again.cache.stats.misses == 1 and [s.chosen for s in _signatures(again)] == ["onnxruntime"] * 2
+    again.detach()
+    assert (entry / "decision.json").exists() and not (entry / "negative.json").exists()
+
+
+def test_the_layout_of_the_inputs_is_part_of_the_key(tmp_path: Path) -> None:
+    x = torch.randn(4, 32)
+    transposed = torch.randn(32, 4).t()  # the same shape, another layout
+    _tuned(_model(), x, cache_dir=tmp_path)[0].detach()
+    registration, out = _tuned(_model(), transposed, cache_dir=tmp_path)
+    torch.testing.assert_close(out, _eager(_model(), transposed), atol=1e-4, rtol=1e-4)
+    assert registration.cache.stats.misses == 1 and len(list((tmp_path / "entries").iterdir())) == 2
+
+
+_READ_ONLY = textwrap.dedent(
+    """
+    import json, logging, sys, torch
+    sys.path.insert(0, {root!r})
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    from aitune_hf import register
+    from tests.core.modules import MLPBlock
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MLPBlock(32), MLPBlock(32)).eval()
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    config = {{"progress": False, "warmup": 1, "repeats": 3, "min_speedup": 0.0, "backends": ["onnxruntime"],
+              "cache_dir": sys.argv[1]}}
+    registration = register(model, config)
+    with torch.no_grad():
+        expected = model(x); model(x); registration.tune(); model(x); out = model(x)
+    stats = registration.cache.stats
+    print(json.dumps({{"diff": float((out - expected).abs().max()), "states": registration.state_counts,
+                      "line": stats.line(), "written": stats.written}}))
+    """
+)
+
+
+def test_a_cache_on_a_read_only_file_system_is_read_and_tuning_goes_on(tmp_path: Path) -> None:
+    """A read-only bind mount of a filled cache (as a fleet mounts a shared volume; root ignores file modes, a
+    read-only mount does not), in a private mount namespace: blocks tune (from the cache, and afresh for what it
+    lacks), nothing is written, one warning says why."""
+    import shutil
+
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("needs unshare and mount (util-linux) for a private read-only bind mount")
+    filled = tmp_path / "filled"
+    _tuned(_model(), torch.randn(4, 32, generator=torch.Generator().manual_seed(1)), cache_dir=filled)[0].detach()
+    for entry in (filled / "entries").iterdir():  # one decision is missing: that block tunes afresh, writing nothing
+        (entry / "decision.json").unlink()
+    before = sorted(str(p.relative_to(filled)) for p in filled.rglob("*"))
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    script = tmp_path / "read_only.py"
+    script.write_text(_READ_ONLY.format(root=str(Path(__file__).parents[2])))
+    shell = f"mount --bind {filled} {mount} && mount -o remount,bind,ro {mount} && {sys.executable} {script} {mount}"
+    result = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", shell],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    if result.returncode != 0 and "mount" in result.stderr and "Traceback" not in result.stderr:
+        pytest.skip(f"no private read-only mount here: {result.stderr.strip()[-300:]}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert facts["states"] == {"tuned": 2} and facts["diff"] < 1e-4 and facts["written"] == 0
+    assert "not writable: Read-only file system" in facts["line"]
+    assert result.stderr.count("cannot be written (Read-only file system)") == 1  # one warning
+    assert sorted(str(p.relative_to(filled)) for p in filled.rglob("*")) == before

@@ -77,7 +77,7 @@ def test_package_imports_without_optional_libraries() -> None:
         "from aitune_hf.backends import get_backend\n"
         "reason = get_backend('onnxruntime').unavailable_reason(frozenset({torch.device('cpu')}))\n"
         "assert 'onnxruntime is not installed' in reason and 'aitune-hf[onnx]' in reason, reason\n"
-        "block = torch.nn.Linear(2, 2)\n"
+        "block = torch.nn.Linear(2, 2).eval()\n"
         "reg = aitune_hf.register([block], {'backends': ['onnxruntime'], 'progress': False})\n"
         "block(torch.ones(1, 2)); reg.tune(); block(torch.ones(1, 2))\n"
         "assert 'not installed' in reg.targets['0'].reason, reg.targets['0'].reason\n"

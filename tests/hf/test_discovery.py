@@ -25,12 +25,13 @@ def _assert_not_nested(names: list[str]) -> None:
         assert not any(b.startswith(a + ".") for b in names), f"{a} contains another target"
 
 
-def test_sd_blocks_are_unet_stages_vae_decoder_stages_and_clip_layers(pipes) -> None:
+def test_sd_blocks_are_unet_stages_vae_stages_and_clip_layers(pipes) -> None:
     names = _names(pipes["sd"])
     assert [n for n in names if n.startswith("unet.")] == [
         "unet.down_blocks.0", "unet.down_blocks.1", "unet.mid_block", "unet.up_blocks.0", "unet.up_blocks.1",
     ]  # fmt: skip
     assert [n for n in names if n.startswith("vae.")] == [
+        "vae.encoder.down_blocks.0", "vae.encoder.down_blocks.1", "vae.encoder.down_blocks.2", "vae.encoder.mid_block",
         "vae.decoder.mid_block", "vae.decoder.up_blocks.0", "vae.decoder.up_blocks.1", "vae.decoder.up_blocks.2",
     ]  # fmt: skip
     assert [n for n in names if n.startswith("text_encoder.")] == [
@@ -65,7 +66,7 @@ def test_minilm_blocks_are_bert_layers() -> None:
 
 
 def test_components_mode(pipes) -> None:
-    assert _names(pipes["sd"], "components") == ["vae.decoder", "text_encoder", "unet"]
+    assert _names(pipes["sd"], "components") == ["vae.encoder", "vae.decoder", "text_encoder", "unet"]
 
 
 def test_dotted_names_and_callables(pipes) -> None:
