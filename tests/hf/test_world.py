@@ -141,7 +141,7 @@ def test_an_img2img_pipeline_tunes_the_vae_encoder_stages(pipeline_folders) -> N
     names = [t.name for t in find_targets(pipe, "blocks") if t.name.startswith("vae.")]
     encoder = [n for n in names if n.startswith("vae.encoder.")]
     assert len(encoder) >= 2 and encoder[0] == "vae.encoder.down_blocks.0" and encoder[-1] == "vae.encoder.mid_block"
-    image = torch.rand(1, 3, 64, 64, generator=generator()) * 2 - 1
+    image = torch.rand(1, 3, 64, 64, generator=generator())  # in [0, 1], as Diffusers takes image tensors
     kwargs = {**call_kwargs("sd"), "image": image, "strength": 0.75}
     kwargs.pop("height"), kwargs.pop("width")
 
