@@ -188,7 +188,30 @@ def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name, None)
         if value is not None:
             config[name] = value
+    precision = getattr(args, "precision", None)
+    if precision is not None:
+        names = [name.strip() for name in precision.split(",") if name.strip()]
+        config["precision"] = names[0] if len(names) == 1 else names
+    quality = getattr(args, "quality", None)
+    if quality is not None:
+        config["quality"] = _parse_quality(quality)
     return config
+
+
+def _parse_quality(text: str) -> dict[str, float]:
+    """ "psnr=40" or "cosine=0.995,argmax=1" -> {metric: budget} (TuningConfig checks the metric names)."""
+    budgets = {}
+    for part in (part.strip() for part in text.split(",") if part.strip()):
+        metric, sep, value = part.partition("=")
+        try:
+            budgets[metric.strip()] = float(value) if sep else None
+        except ValueError:
+            budgets[metric.strip()] = None
+        if budgets[metric.strip()] is None:
+            raise UsageError(f"--quality {text!r}: {part!r} is not METRIC=NUMBER, e.g. psnr=40 or cosine=0.995")
+    if not budgets:
+        raise UsageError("--quality is empty; give METRIC=NUMBER, e.g. psnr=40")
+    return budgets
 
 
 def _tune_and_check(work: Workload, args: argparse.Namespace, out: Any) -> tuple[Any, dict[str, Any]]:
@@ -233,9 +256,10 @@ def _tune_and_check(work: Workload, args: argparse.Namespace, out: Any) -> tuple
         f"tuning: {session.tuning_call_seconds:.1f} s wall in the tuning call; prepare {session.prepare_seconds:.1f} s "
         f"(enable_aitune, recording and tuning calls); {report.tuning_seconds:.1f} s summed over targets"
     )
+    budget = session.quality or f"atol {session.atol:g}"  # reduced precision: its end-to-end quality budget
     say(
         f"check: tuned output vs eager output, {fixed}: max abs diff {session.max_abs_diff:.3g} "
-        f"(atol {session.atol:g}): {'PASS' if session.passed else 'FAIL'}"
+        f"({budget}): {'PASS' if session.passed else 'FAIL'}"
     )
     config = session.registration.config
     facts = {
@@ -565,6 +589,18 @@ def _add_tuning_options(parser: argparse.ArgumentParser, rounds: int) -> None:
         "--cache",
         choices=("rw", "ro", "off"),
         help="rw: reuse entries and write new ones (default); ro: reuse, never write; off: no cache",
+    )
+    parser.add_argument(
+        "--precision",
+        metavar="PRECISION",
+        help="fp32 (default: never lossy), auto (every reduced precision this machine computes natively), or a "
+        "comma-separated list of fp32, bf16, fp16, int8 (docs/precision.md)",
+    )
+    parser.add_argument(
+        "--quality",
+        metavar="METRIC=BUDGET",
+        help="the end-to-end budget of reduced precision against fp32 eager, e.g. psnr=40 (images), cosine=0.995 "
+        "(embeddings), argmax=1, tokens=1 (default: psnr=35, cosine=0.99, argmax=1, tokens=1 by output)",
     )
     parser.add_argument("--threads", type=_positive, default=1, help="torch.set_num_threads(N) (default 1)")
     parser.add_argument("--details", action="store_true", help="also print every candidate, with full error texts")

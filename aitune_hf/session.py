@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from aitune_hf.core.report import TuningReport
 
 #: enable_aitune arguments named in the progress line "enable_aitune(...)" when given.
-_SHOWN = ("backends", "strategy", "cache_dir", "cache")
+_SHOWN = ("backends", "strategy", "cache_dir", "cache", "precision", "quality")
 
 
 @dataclass
@@ -81,6 +81,9 @@ class SessionResult:
     max_abs_diff: float
     atol: float
     passed: bool
+    #: With reduced precision (`precision=`), the check is the end-to-end quality budget, not fp32's atol: its figure
+    #: ("PSNR 41.2 dB (>= 35)"); None for fp32.
+    quality: str | None = None
 
     def facts(self) -> dict[str, Any]:
         """The session's numbers as JSON-ready facts (the CLI adds them to the report JSON)."""
@@ -95,6 +98,7 @@ class SessionResult:
             "max_abs_diff": self.max_abs_diff,
             "atol": self.atol,
             "passed": self.passed,
+            "quality": self.quality,
         }
 
 
@@ -182,6 +186,12 @@ def run_session(
         say(f"measuring skipped: not every target reached a decision ({format_counts(registration.state_counts)})")
 
     diff, atol, passed = compare(eager_output, tuned_output)
+    quality = None
+    if registration.config.reduced:  # reduced precision is held to its end-to-end budget, not to fp32's atol
+        from aitune_hf.core.quality import measure
+
+        figure = measure(eager_output, tuned_output, registration.config.quality)
+        quality, passed = figure.text(), figure.passed
     return SessionResult(
         registration=registration,
         report=registration.report(),
@@ -199,6 +209,7 @@ def run_session(
         max_abs_diff=diff,
         atol=atol,
         passed=passed,
+        quality=quality,
     )
 
 

@@ -1,17 +1,11 @@
-"""What machine a benchmark ran on: speed claims name the CPU model (the project's machines vary)."""
+"""What machine a benchmark ran on: speed claims name the CPU model and the flags that change kernels (the project's
+machines vary: an Intel with AMX, an AMD EPYC with AVX512-BF16 and VNNI, an AMD EPYC with AVX2 only)."""
 
 from __future__ import annotations
 
-import platform
-from pathlib import Path
+from aitune_hf.core import hardware
 
 
 def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (e.g. "AMD EPYC"), else what `platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The CPU's model name and its kernel flags, e.g. "AMD EPYC 9B14 (avx2, avx512f, avx512_bf16, avx512_vnni)"."""
+    return hardware.describe()

@@ -14,9 +14,12 @@ One torch thread (ONNX Runtime gets the same). A corpus of 256 sentences of 6-13
 - **Throughput**: `encode(corpus, batch_size=32)`, sentences per second.
 - **Latency**: the mean time of one `encode(query)` over 32 queries whose token lengths (set B) were never seen
   while tuning: aitune serves them after a one-time check per new length (the first pass, not timed).
-- Variants, three models in one process, timed in interleaved rounds (rotating order, medians): eager; aitune;
-  `torch.compile(model.forward, dynamic=True)` on the Hugging Face model inside (compiled on first use, before
-  timing).
+- Variants, models in one process, timed in interleaved rounds (rotating order, medians): eager; aitune (fp32);
+  with `--precision auto`, aitune with `precision="auto"` too (every reduced precision this CPU computes natively,
+  gated end to end on the embeddings' min cosine); `torch.compile(model.forward, dynamic=True)` on the Hugging Face
+  model inside (compiled on first use, before timing).
+- Quality beside every speed-up: the min cosine of the corpus embeddings against eager's, and the Spearman rank
+  correlation of the pair similarities of the first 64 sentences (2016 pairs) against eager's: a ranking kept.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ import sys
 from pathlib import Path
 
 import torch
-from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as files
 
 from aitune_hf import enable_aitune
+from aitune_hf.core import hardware
 from aitune_hf.core.timing import Stopwatch
 from aitune_hf.testing import minilm_path
 
@@ -87,6 +90,28 @@ def warm_up_export() -> None:
     torch.onnx.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),), io.BytesIO(), dynamo=True, verbose=False)
 
 
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman's rank correlation of two 1-d tensors (ranks by argsort; the similarities here have no ties)."""
+
+    def ranks(x: torch.Tensor) -> torch.Tensor:
+        order = torch.argsort(x)
+        out = torch.empty_like(order, dtype=torch.float64)
+        out[order] = torch.arange(len(x), dtype=torch.float64)
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra @ rb) / (ra.norm() * rb.norm()))
+
+
+def pair_similarities(embeddings: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of every pair (upper triangle) of the embeddings."""
+    normed = torch.nn.functional.normalize(embeddings.double(), dim=1)
+    sims = normed @ normed.T
+    rows, cols = torch.triu_indices(len(normed), len(normed), offset=1)
+    return sims[rows, cols]
+
+
 def interleaved(fns: dict[str, callable], rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
@@ -104,6 +129,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "minilm_traffic.md")
     parser.add_argument(
         "--backends", default="onnxruntime", help="aitune's candidates, comma-separated (docs' CPU recipe: onnxruntime)"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "auto"),
+        default="fp32",
+        help="auto: also an aitune variant with precision='auto' (and the inductor candidate for bf16)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -135,7 +166,23 @@ def main() -> None:
             tuned.encode(query)
         tuned.encode(texts, batch_size=32)
         after = rss_mb()
-        report = str(registration.report())
+
+        variants = {"aitune": tuned}
+        tunings = {"aitune": (tuning_s, prepare_s)}
+        registrations = {"aitune": registration}
+        if args.precision == "auto":  # reduced precision, gated end to end on the embeddings
+            reduced = SentenceTransformer(path, device="cpu")
+            backends = sorted({*args.backends.split(","), "inductor"})  # the bf16 candidate is a compile
+            with Stopwatch() as prepare_auto:
+                registrations["aitune auto"] = enable_aitune(reduced, backends=backends, precision="auto")
+                reduced.encode(texts[:128], batch_size=32)
+                reduced.encode(texts[:128], batch_size=32)
+                for query in queries_a:
+                    reduced.encode(query)
+            tunings["aitune auto"] = (registrations["aitune auto"].report().tuning_seconds, prepare_auto.seconds)
+            for query in queries_b:
+                reduced.encode(query)
+            variants["aitune auto"] = reduced
 
         eager = SentenceTransformer(path, device="cpu")
         compiled = SentenceTransformer(path, device="cpu")
@@ -148,31 +195,47 @@ def main() -> None:
         compile_s = compiling.seconds
 
         reference = eager.encode(texts, batch_size=32, convert_to_tensor=True)
-        cosine = {
-            name: float(
-                torch.nn.functional.cosine_similarity(
-                    model.encode(texts, batch_size=32, convert_to_tensor=True), reference
-                ).min()
-            )
-            for name, model in (("aitune", tuned), ("torch.compile", compiled))
-        }
-        models = {"eager": eager, "aitune": tuned, "torch.compile": compiled}
+        reference_pairs = pair_similarities(reference[:64])
+        models = {"eager": eager, **variants, "torch.compile": compiled}
+        quality = {}
+        for name, model in models.items():
+            embeddings = model.encode(texts, batch_size=32, convert_to_tensor=True)
+            cosine = float(torch.nn.functional.cosine_similarity(embeddings, reference).min())
+            quality[name] = (cosine, spearman(pair_similarities(embeddings[:64]), reference_pairs))
         throughput = interleaved({n: (lambda m=m: m.encode(texts, batch_size=32)) for n, m in models.items()}, rounds)
         latency = interleaved({n: (lambda m=m: [m.encode(q) for q in queries_b]) for n, m in models.items()}, rounds)
-        served = {}
-        for target in registration.targets.values():
-            for backend, calls in target.calls_served.items():
-                served[backend] = served.get(backend, 0) + calls
-        tuned.disable_aitune()
-        del registration
+        served: dict[str, dict[str, int]] = {}
+        for name, reg in registrations.items():
+            for target in reg.targets.values():
+                for backend, calls in target.calls_served.items():
+                    served.setdefault(name, {})[backend] = served.get(name, {}).get(backend, 0) + calls
+        reports = {name: str(reg.report()) for name, reg in registrations.items()}
+        for model in variants.values():
+            model.disable_aitune()
+        del registration, registrations
         released = rss_mb()
 
     sps = {name: len(texts) / seconds for name, seconds in throughput.items()}
     ms = {name: seconds / len(queries_b) * 1e3 for name, seconds in latency.items()}
+    names = list(models)
+    header = " | ".join("torch.compile(dynamic=True)" if n == "torch.compile" else n for n in names)
+
+    def row(label: str, cell) -> str:
+        return f"| {label} | " + " | ".join(cell(n) for n in names) + " |"
+
+    def one_off(name: str) -> str:
+        if name == "eager":
+            return "-"
+        if name == "torch.compile":
+            return f"{compile_s:.1f} compiling (first calls)"
+        tuning, prepare_all = tunings[name]
+        return f"{tuning:.1f} tuning ({prepare_all:.1f} s for the tuning calls in all)"
+
     lines = [
         "# sentence-transformers: all-MiniLM-L6-v2, real traffic",
         "",
-        f"`python benchmarks/{Path(__file__).name}{' --quick' if args.quick else ''}` on {cpu_model()} "
+        f"`python benchmarks/{Path(__file__).name}{' --quick' if args.quick else ''}"
+        f"{' --precision auto' if args.precision == 'auto' else ''}` on {hardware.describe()} "
         f"({platform.machine()}), 1 thread, torch {torch.__version__}, Python {sys.version.split()[0]}; "
         f"{rounds} interleaved rounds, medians.",
         "",
@@ -180,36 +243,35 @@ def main() -> None:
         f"Queries timed: {len(queries_b)} single sentences of {set_b[0]}-{set_b[-1]} tokens, lengths never seen "
         f"while tuning (tuning saw the corpus' first 128 sentences and queries of {set_a[0]}-{set_a[-1]} tokens).",
         "",
-        f"aitune: `enable_aitune(model, backends={args.backends.split(',')})` on the `SentenceTransformer`.",
+        f"aitune: `enable_aitune(model, backends={args.backends.split(',')})` on the `SentenceTransformer`"
+        + ('; aitune auto: the same with `precision="auto"` and the inductor candidate.' if len(variants) > 1 else "."),
         "",
-        "| | eager | aitune | torch.compile(dynamic=True) |",
-        "|---|---|---|---|",
-        f"| batch-32 throughput, sentences/s | {sps['eager']:.1f} | {sps['aitune']:.1f} "
-        f"({sps['aitune'] / sps['eager']:.2f}x) | {sps['torch.compile']:.1f} "
-        f"({sps['torch.compile'] / sps['eager']:.2f}x) |",
-        f"| batch-1 latency, ms (unseen lengths) | {ms['eager']:.2f} | {ms['aitune']:.2f} "
-        f"({ms['eager'] / ms['aitune']:.2f}x) | {ms['torch.compile']:.2f} "
-        f"({ms['eager'] / ms['torch.compile']:.2f}x) |",
-        f"| one-off cost, s | - | {tuning_s:.1f} tuning ({prepare_s:.1f} s for the tuning calls in all) | "
-        f"{compile_s:.1f} compiling (first calls) |",
-        f"| min cosine vs eager | 1 | {cosine['aitune']:.6f} | {cosine['torch.compile']:.6f} |",
+        f"| | {header} |",
+        "|---|" + "---|" * len(names),
+        row(
+            "batch-32 throughput, sentences/s",
+            lambda n: f"{sps[n]:.1f}" + ("" if n == "eager" else f" ({sps[n] / sps['eager']:.2f}x)"),
+        ),
+        row(
+            "batch-1 latency, ms (unseen lengths)",
+            lambda n: f"{ms[n]:.2f}" + ("" if n == "eager" else f" ({ms['eager'] / ms[n]:.2f}x)"),
+        ),
+        row("one-off cost, s", one_off),
+        row("min cosine vs eager (corpus)", lambda n: f"{quality[n][0]:.6f}"),
+        row("pair-similarity ranking vs eager (Spearman, 2016 pairs)", lambda n: f"{quality[n][1]:.6f}"),
         "",
         f"Memory (RSS after gc and malloc_trim): {imported:.0f} MB with the model loaded, {before:.0f} MB once the "
         f"ONNX exporter is imported and has run once on a Linear (+{before - imported:.0f} MB, paid once per "
-        f"process by any ONNX export), {after:.0f} MB after tuning and serving (+{after - before:.0f} MB: sessions, "
-        "and ONNX Runtime's shared arena at its largest block call), "
+        f"process by any ONNX export), {after:.0f} MB after tuning and serving the fp32 variant (+{after - before:.0f} "
+        "MB: sessions, and ONNX Runtime's shared arena at its largest block call), "
         f"{released:.0f} MB after `disable_aitune()` and the other variants' timing (the eager and compiled models "
         "stay loaded).",
         "",
         f"Calls served per backend over the run (all layers): {served}.",
         "",
-        "The aitune report after tuning and the unseen queries:",
-        "",
-        "```",
-        report,
-        "```",
-        "",
     ]
+    for name, text in reports.items():
+        lines += [f"The {name} report after tuning and the unseen queries:", "", "```", text, "```", ""]
     text = "\n".join(lines)
     print(text)
     args.out.write_text(text)

@@ -3,6 +3,7 @@ no test leaves process-wide state changed."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -37,9 +38,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # torch 2.13's ONNX exporter warns this from inside torch on every export (a deepcopy of a pytree LeafSpec);
     # the backend no longer silences warnings (not thread-safe), so the tests do, for this one only.
     config.addinivalue_line("filterwarnings", r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")
-    # Libraries that add warnings filters when first imported (sympy, imported by the first export or compile):
-    # imported here, once, so that the per-test check below sees what a test did, not what an import did.
+    # Libraries that add warnings filters when first imported (sympy, imported by the first export or compile; scipy,
+    # by ONNX Runtime's quantization tool, which the int8 candidates import): imported here, once, so that the
+    # per-test check below sees what a test did, not what an import did.
     import sympy  # noqa: F401
+
+    with contextlib.suppress(ImportError):
+        import onnxruntime.quantization  # noqa: F401
 
 
 #: Modules whose tests run together on one xdist worker: each builds a tuned pipeline or model in a module-scoped

@@ -122,6 +122,10 @@ def test_report_round_trips_the_table(demo, capsys: pytest.CaptureFixture[str]) 
         (["demo", "--cache", "sometimes"], "argument --cache: invalid choice: 'sometimes'"),
         (["tune", "/nonexistent/aitune_hf_folder", "--cache", "w"], "argument --cache: invalid choice: 'w'"),
         (["frobnicate"], "invalid choice"),
+        (["demo", "--precision", "int4"], "unknown precision 'int4'; valid: 'fp32', 'auto', or a list of"),
+        (["demo", "--precision", "fp32,fp8"], "unknown precision 'fp8' in ['fp32', 'fp8']"),
+        (["demo", "--quality", "ssim=0.9"], "unknown metric 'ssim'; valid: 'psnr'"),
+        (["demo", "--quality", "psnr"], "'psnr' is not METRIC=NUMBER, e.g. psnr=40"),
     ],
 )
 def test_errors_are_one_line_and_exit_2(argv, message, capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,6 +24,9 @@ Call = tuple[tuple[Any, ...], dict[str, Any]]
 #: Call leaves that are plain values (compared and copied by value); a leaf that is neither one of these nor a
 #: tensor is an object input (a KV cache), which only backends with `accepts_objects` take.
 PLAIN_VALUES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+#: The numeric precisions a build may compute in: "fp32" computes as the module does (within fp32 tolerances); the
+#: others are reduced precision, opt-in (`TuningConfig.precision`).
+PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 
 
 @dataclass
@@ -64,6 +67,7 @@ class BuildContext:
 
     Attributes:
         place: where builds read cached artifacts and write new ones (the persistent cache), or None.
+        shared: scratch space for the builds of one tuning (see the field).
         sibling: the module is an identical sibling of one built before (same class, weight shapes, call), whose
             decision the core is applying: a backend may reuse that build's work with this module's weights
             (ONNX Runtime reuses the export). The core checks the result against eager as any build, and
@@ -72,6 +76,9 @@ class BuildContext:
 
     place: ArtifactPlace | None = None
     sibling: bool = False
+    #: Scratch space shared by the builds of one tuning of one module (None outside one): a reduced-precision variant
+    #: reuses there what the fp32 build of the same backend made (ONNX Runtime's int8 variant: the fp32 export).
+    shared: dict[Any, Any] | None = None
 
 
 _BUILD: contextvars.ContextVar[BuildContext] = contextvars.ContextVar("aitune_hf_build", default=BuildContext())  # noqa: B039 (frozen)
@@ -103,6 +110,14 @@ class Backend(abc.ABC):
     accepts_objects: bool = False
     #: True when `build(..., dynamic=True)` makes one callable for a shape family (see `build`).
     polymorphic: bool = False
+    #: The precision the built callable computes in (`PRECISIONS`): "fp32" for every backend unless a reduced-precision
+    #: variant (`with_precision`) was asked for.
+    precision: str = "fp32"
+
+    def with_precision(self, precision: str) -> Backend | None:
+        """This backend computing in `precision` (a new instance with the same options), or None when it has no such
+        variant. The variant's `describe()` names the precision."""
+        return self if precision == self.precision else None
 
     def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
         """Why this backend cannot run on `devices`, or None when it can."""

@@ -61,6 +61,12 @@ class OnnxRuntimeBackend(Backend):
     constant weights) and 20-70% on MiniLM layers at short inputs (ORT packs constant MatMul weights once per
     session, live ones on every call), while the value check of baked weights costs one read of the weights
     (0.2 ms per MiniLM layer): baked wins or ties on every workload measured.
+
+    `precision="int8"` (reduced precision, opt-in through `TuningConfig.precision`): the exported model's MatMul and
+    Gemm nodes with constant weights are quantized dynamically (`onnxruntime.quantization.quantize_dynamic`: weights
+    int8 per output channel, activations uint8 quantized per call: the U8S8 format ONNX Runtime documents for CPUs
+    with VNNI); convolutions stay fp32. Needs baked weights. The fp32 export of the same module and call, made for
+    the fp32 candidate of the same tuning, is reused: the variant costs a quantization, not a second export.
     """
 
     name = "onnxruntime"
@@ -74,7 +80,15 @@ class OnnxRuntimeBackend(Backend):
         artifact_dir: str | Path | None = None,
         weights: str = "baked",
         arena: str = "shared",
+        precision: str = "fp32",
     ) -> None:
+        if precision not in ("fp32", "int8"):
+            raise ConfigError(f"OnnxRuntimeBackend: precision={precision!r} is not valid; valid values: 'fp32', 'int8'")
+        if precision == "int8" and weights != "baked":
+            raise ConfigError(
+                "OnnxRuntimeBackend: precision='int8' quantizes constant weights: it needs weights='baked'"
+            )
+        self.precision = precision
         if weights not in _WEIGHT_MODES:
             raise ConfigError(
                 f"OnnxRuntimeBackend: weights={weights!r} is not valid; valid values: "
@@ -98,9 +112,20 @@ class OnnxRuntimeBackend(Backend):
     def bakes_weights(self) -> bool:  # type: ignore[override]
         return self.weights == "baked"
 
+    def with_precision(self, precision: str) -> OnnxRuntimeBackend | None:
+        if precision == self.precision:
+            return self
+        if precision != "int8" or self.weights != "baked":
+            return None
+        return OnnxRuntimeBackend(
+            self.providers, self.intra_op_num_threads, self.opset_version, self.artifact_dir, self.weights, self.arena,
+            precision=precision,
+        )  # fmt: skip
+
     def describe(self) -> str:
         options = [f"weights={self.weights}"] if self.weights != "baked" else []
         options += [f"arena={self.arena}"] if self.arena != "shared" else []
+        options += [f"precision={self.precision}"] if self.precision != "fp32" else []
         return f"{self.name}({', '.join(options)})" if options else self.name
 
     def _bakes(self, module: torch.nn.Module) -> bool:
@@ -197,9 +222,13 @@ class OnnxRuntimeBackend(Backend):
         else:
             # An identical sibling's export (same class, weight shapes and call) with this module's weights put in,
             # when the core applies that sibling's decision (it checks the result, and exports afresh if it fails).
-            sibling = _sibling_key(module, in_leaves, in_spec, dynamic) if bakes and not large else None
+            call_key = _sibling_key(module, in_leaves, in_spec, dynamic)
+            sibling = call_key if bakes and not large else None
             skeleton = self._skeletons.get(sibling) if sibling is not None and sibling_build else None
             proto = _quietly(skeleton.fill, module) if skeleton is not None else None
+            shared = current_build().shared
+            if proto is None and self.precision != "fp32" and shared is not None:  # the fp32 build's export
+                proto = shared.get(("onnx_export", call_key))
             if proto is None:
                 with _exporting(), torch.inference_mode(False), torch.no_grad():
                     attempts = _dynamic_attempts(samples) if dynamic else [None]
@@ -211,13 +240,18 @@ class OnnxRuntimeBackend(Backend):
                             if attempt == len(attempts) - 1:
                                 raise
                             logger.debug("export with dynamic dims %s failed; trying fewer", dims, exc_info=True)
-                if sibling is not None:
-                    proto = program.model_proto
-                    skeleton = _quietly(_Skeleton.of, proto, module)
-                    if skeleton is not None:
-                        self._skeletons[sibling] = skeleton
-                        while len(self._skeletons) > _SKELETONS_KEPT:
-                            self._skeletons.pop(next(iter(self._skeletons)))
+                if shared is not None:  # for a reduced-precision variant built next in this tuning
+                    shared[("onnx_export", call_key)] = program.model_proto
+            if sibling is not None and skeleton is None:  # this export, for the identical siblings to come
+                proto = proto if proto is not None else program.model_proto
+                skeleton = _quietly(_Skeleton.of, proto, module)
+                if skeleton is not None:
+                    self._skeletons[sibling] = skeleton
+                    while len(self._skeletons) > _SKELETONS_KEPT:
+                        self._skeletons.pop(next(iter(self._skeletons)))
+            if self.precision == "int8":
+                with _exporting():
+                    proto, program = _quantize_int8(proto if proto is not None else program.model_proto), None
             model, path, cleanup = self._place(proto, program, module, large, place)
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = self.intra_op_num_threads or torch.get_num_threads()
@@ -289,6 +323,22 @@ class OnnxRuntimeBackend(Backend):
 
 #: Sibling exports kept per backend instance (their graphs, without weights).
 _SKELETONS_KEPT = 16
+
+
+def _quantize_int8(proto: Any) -> Any:
+    """`proto` with its MatMul and Gemm nodes quantized dynamically: int8 weights per output channel, uint8
+    activations (U8S8); the rest, convolutions included, stays fp32."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory(prefix="aitune_hf_int8_") as folder:
+        source, target = Path(folder) / "fp32.onnx", Path(folder) / "int8.onnx"
+        onnx.save_model(proto, str(source))
+        quantize_dynamic(
+            source, target, op_types_to_quantize=["MatMul", "Gemm"], per_channel=True, weight_type=QuantType.QInt8,
+            extra_options={"MatMulConstBOnly": True},
+        )  # fmt: skip
+        return onnx.load_model(str(target))
 
 
 def _sibling_key(module: torch.nn.Module, leaves: list[Any], spec: Any, dynamic: bool) -> tuple[Any, ...]:
@@ -707,10 +757,12 @@ _QUIET = _QuietWhileExporting()
 
 
 def _install_log_filter() -> None:
-    """Adds `_QUIET` to every existing logger at or under `_EXPORTER_LOGGERS` that lacks it (idempotent)."""
+    """Adds `_QUIET` to every existing logger at or under `_EXPORTER_LOGGERS` that lacks it, and to the root logger
+    (ONNX Runtime's quantization tool logs there), idempotently."""
     prefixes = tuple(f"{name}." for name in _EXPORTER_LOGGERS)
     loggers = logging.root.manager.loggerDict.copy()  # one atomic copy: other threads may create loggers
     with _filter_lock:
+        logging.root.addFilter(_QUIET)  # records logged on the root logger itself, by this thread, while it exports
         for name, logger in loggers.items():
             if isinstance(logger, logging.Logger) and (name in _EXPORTER_LOGGERS or name.startswith(prefixes)):
                 logger.addFilter(_QUIET)  # a no-op when it is there already

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aitune_hf.backends.base import ArtifactPlace, Backend
+from aitune_hf.core import hardware
 from aitune_hf.core.guards import state_fingerprint
 from aitune_hf.core.signature import InputSignature
 
@@ -525,6 +526,8 @@ def key_fields(
         "backends": [backend.describe() for backend in candidates],
         "strategy": strategy,
         "min_speedup": config.min_speedup,
+        "precision": list(config.precisions),
+        "quality": config.quality,
         "tolerances": sorted((str(dtype), list(pair)) for dtype, pair in config.tolerances.items()),
         "versions": versions(),
         "device": device_fingerprint(signature.devices),
@@ -572,20 +575,8 @@ def _device_text(device: torch.device) -> str:
         major, minor = torch.cuda.get_device_capability(index)
         return f"cuda {torch.cuda.get_device_name(index)} sm_{major}{minor}"
     if device.type == "cpu":
-        return _cpu_text()
+        return hardware.cpu_text()
     return device.type
-
-
-@functools.cache
-def _cpu_text() -> str:
-    flags: set[str] = set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.partition(":")[2].split())
-                break
-    relevant = sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16"})
-    return f"cpu {platform.machine()} {torch.backends.cpu.get_cpu_capability()} {' '.join(relevant)}".strip()
 
 
 def report_to_record(report: Any) -> dict[str, Any]:

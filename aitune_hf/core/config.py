@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aitune_hf.backends.base import Backend, backend_names, get_backend
+from aitune_hf.backends.base import PRECISIONS, Backend, backend_names, get_backend
+from aitune_hf.core.quality import METRICS
 from aitune_hf.errors import ConfigError, InputTypeError
 
 if TYPE_CHECKING:
@@ -74,6 +75,14 @@ class TuningConfig:
         budget_s: an optional tuning budget per target, in seconds; None: no budget.
         retune: after a guard failure (module state or structure changed since a backend was built), re-tune
             on its own at a later call; False: only when `tune()` is called.
+        precision: "fp32" (default: never lossy beyond fp32 tolerances), "auto" (also every reduced precision this
+            machine computes natively: bf16 with AVX512-BF16 or AMX and on CUDA, int8 with VNNI or AMX, fp16 on CUDA),
+            or a list of names from `PRECISIONS` (e.g. ["fp32", "int8"]). A reduced-precision candidate serves only
+            after a per-block error filter and, under the Hugging Face layer, the end-to-end `quality` gate
+            (docs/precision.md).
+        quality: the end-to-end budget of reduced precision by metric (`aitune_hf.core.quality.METRICS`): e.g.
+            {"psnr": 40} for images, {"cosine": 0.995} for embeddings; None: the defaults per output kind (PSNR >= 35
+            dB, min per-row cosine >= 0.99, the same argmax, the same tokens).
 
     Every field is checked on construction (and again by `coerce`): a wrong type, a bool where an int is
     meant, NaN, an infinity or a value out of range is a `ConfigError` that names the field, the value and
@@ -107,6 +116,8 @@ class TuningConfig:
     cache_dir: str | os.PathLike[str] | None = None
     cache: str = "rw"
     budget_s: float | None = None
+    precision: str | Sequence[str] = "fp32"
+    quality: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -141,6 +152,21 @@ class TuningConfig:
             self.budget_s = _check_number("budget_s", self.budget_s)
             if self.budget_s <= 0:
                 raise _error("budget_s", self.budget_s, "a finite number > 0, or None")
+        self.precision = _check_precision(self.precision)
+        self.quality = _check_quality(self.quality)
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions asked for: ("fp32",), every one of `PRECISIONS` for "auto" (the machine then offers those
+        it computes natively), or the list given."""
+        if self.precision == "auto":
+            return PRECISIONS
+        return (self.precision,) if isinstance(self.precision, str) else tuple(self.precision)
+
+    @property
+    def reduced(self) -> bool:
+        """True when a precision other than fp32 may be used."""
+        return any(p != "fp32" for p in self.precisions)
 
     @property
     def after_calls(self) -> int | None:
@@ -263,6 +289,39 @@ def _check_tolerances(value: Any) -> dict[torch.dtype, tuple[float, float]]:
         ):
             raise _error(f"tolerances[{dtype}]", pair, "an (atol, rtol) pair of finite numbers >= 0")
         checked[dtype] = (float(pair[0]), float(pair[1]))
+    return checked
+
+
+def _check_precision(value: Any) -> str | tuple[str, ...]:
+    valid = f"'fp32', 'auto', or a list of {', '.join(map(repr, PRECISIONS))}"
+    if isinstance(value, str):
+        if value in ("fp32", "auto") or value in PRECISIONS:
+            return value
+        raise ConfigError(f"TuningConfig.precision: unknown precision {value!r}; valid: {valid}")
+    if not isinstance(value, Sequence) or not value:
+        raise _error("precision", value, valid)
+    for name in value:
+        if name not in PRECISIONS:
+            raise ConfigError(
+                f"TuningConfig.precision: unknown precision {name!r} in {list(value)!r}; valid names: "
+                f"{', '.join(map(repr, PRECISIONS))}"
+            )
+    return tuple(dict.fromkeys(value))
+
+
+def _check_quality(value: Any) -> dict[str, float] | None:
+    if value is None:
+        return None
+    valid = ", ".join(f"{name!r} ({what}, default {default:g})" for name, (what, default) in METRICS.items())
+    if not isinstance(value, Mapping) or not value:
+        raise _error("quality", value, f"a dict of metric -> budget, e.g. {{'psnr': 40}}; metrics: {valid}")
+    checked = {}
+    for name, budget in value.items():
+        if name not in METRICS:
+            raise ConfigError(f"TuningConfig.quality: unknown metric {name!r}; valid: {valid}")
+        if not _is_real(budget) or not math.isfinite(budget):
+            raise _error(f"quality[{name!r}]", budget, "a finite number")
+        checked[name] = float(budget)
     return checked
 
 

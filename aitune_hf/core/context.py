@@ -69,3 +69,10 @@ class TuningContext:
     cache: TuningCache | None = None
     #: Called with the target's name at the start of each routed call, while set (`Registration.observe_calls`).
     on_call: Callable[[str], None] | None = None
+    #: Reduced precisions asked for that this machine does not compute natively: (precision, why), in every report.
+    skipped_precisions: list[tuple[str, str]] = field(default_factory=list)
+    #: True when a reduced-precision decision waits for the end-to-end gate (`Registration.gate`) before it serves
+    #: (the fp32 candidate it falls back to serves meanwhile); False: the per-block filter suffices.
+    gate_required: bool = False
+    #: True inside `Registration.gate`'s replays in this thread: decisions waiting for the gate serve.
+    gating: Callable[[], bool] = lambda: False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import threading
 import weakref
@@ -16,7 +17,9 @@ from aitune_hf.backends.base import Backend
 from aitune_hf.core.cache import TuningCache, open_cache
 from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.context import Progress, TuningContext
-from aitune_hf.core.report import ModuleReport, TuningReport
+from aitune_hf.core.precision import with_precisions
+from aitune_hf.core.quality import QualityFigure, measure
+from aitune_hf.core.report import ModuleReport, SignatureReport, TuningReport
 from aitune_hf.core.strategy import Strategy, resolve_strategy
 from aitune_hf.core.target import Target, TargetState
 from aitune_hf.errors import InputTypeError, UsageError, UserInputError
@@ -98,11 +101,12 @@ class Registration:
     def __init__(self, modules: dict[str, torch.nn.Module], config: TuningConfig) -> None:
         self.config = config
         strategy: Strategy = resolve_strategy(config.strategy)
-        candidates: list[Backend] = strategy.candidates(config)
         self._check_free(modules)
         self._check_not_nested(modules)
         devices = frozenset(t.device for m in modules.values() for t in [*m.parameters(), *m.buffers()])
-        strategy.validate(config, devices or frozenset({torch.device("cpu")}))
+        devices = devices or frozenset({torch.device("cpu")})
+        strategy.validate(config, devices)
+        candidates, skipped = with_precisions(strategy.candidates(config), config, devices)
         self._modules = dict(modules)
         self._detached = False
         self._local = threading.local()  # bypass() is per thread: other threads keep being served
@@ -113,7 +117,11 @@ class Registration:
             progress=Progress(self._pending_count, enabled=config.progress),
             bypassed=lambda: self.bypassed,
             cache=open_cache(config),
+            skipped_precisions=skipped,
+            gating=lambda: getattr(self._local, "gating", False),
         )
+        #: The latest end-to-end quality gate (`gate`): what the report shows beside the speed-up.
+        self.quality: dict[str, Any] | None = None
         self._targets = {name: Target(name, module, self._context) for name, module in modules.items()}
         #: Reports of targets that `descend()` replaced by targets inside them, by name.
         self.descended: dict[str, ModuleReport] = {}
@@ -297,15 +305,68 @@ class Registration:
         finally:
             self._local.paused -= 1
 
+    @property
+    def gate_required(self) -> bool:
+        """True when reduced-precision decisions serve only after the end-to-end gate (`gate`); the Hugging Face
+        layer sets it when it can replay whole calls. False (the core alone): the per-block filter suffices."""
+        return self._context.gate_required
+
+    @gate_required.setter
+    def gate_required(self, value: bool) -> None:
+        self._context.gate_required = bool(value)
+
+    @property
+    def waiting_for_gate(self) -> bool:
+        """True while a reduced-precision decision waits for the end-to-end gate."""
+        return any(target.provisional() for target in self._targets.values())
+
+    def gate(self, reference: Any, replay: Callable[[], Any]) -> QualityFigure | None:
+        """The end-to-end quality gate of reduced precision.
+
+        `reference` is a whole call's fp32 eager output; `replay()` makes the same call again. The call is replayed
+        with every reduced-precision decision waiting for the gate serving, and its output compared with `reference`
+        under `config.quality` (`core/quality.py`). While it fails, the waiting decision with the largest per-block
+        error goes back to its fp32 fallback (or eager) and the call is replayed again; once it passes, the rest
+        serve. Returns the last figure (None when nothing was waiting), kept in `quality` for the report.
+        """
+        waiting = [(t, r) for t in self._targets.values() for r in t.provisional()]
+        if not waiting:
+            return None
+        demoted: list[str] = []
+        replays = 0
+        while True:
+            self._local.gating = True
+            try:
+                output = replay()
+            finally:
+                self._local.gating = False
+            replays += 1
+            figure = measure(reference, output, self.config.quality)
+            if figure.passed:
+                break
+            target, route = max(waiting, key=lambda item: _rel_error(item[1].report))
+            target.demote(route, figure.verdict())
+            demoted.append(target.name)
+            waiting.remove((target, route))
+            if not waiting:  # all back to fp32: the figure stays the last one measured with reduced precision
+                break
+        for target, route in waiting:
+            target.accept(route)
+        self.quality = {**dataclasses.asdict(figure), "demoted": demoted, "replays": replays}
+        logger.info("end-to-end quality gate: %s; %d block(s) back to fp32", figure.text(), len(demoted))
+        return figure
+
     def report(self) -> TuningReport:
         """A TuningReport of every target, led by the end-to-end timings when the caller measured them."""
         reports = self.reports
         return TuningReport(
             modules=reports,
             end_to_end=dict(self.end_to_end) if self.end_to_end else None,
-            tuning_seconds=sum(r.tuning_seconds for r in [*reports.values(), *self.descended.values()]),
+            tuning_seconds=sum(r.tuning_seconds for r in [*reports.values(), *self.descended.values()])
+            + (self.quality or {}).get("seconds", 0.0),  # the end-to-end quality gate's replays
             descended=dict(self.descended),
             cache=self.cache.stats.line() if self.cache is not None else None,
+            quality=dict(self.quality) if self.quality else None,
         )
 
     def detach(self) -> None:
@@ -330,6 +391,12 @@ class Registration:
     def __repr__(self) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in sorted(self.state_counts.items()))
         return f"<Registration of {len(self._targets)} target(s): {counts}>"
+
+
+def _rel_error(report: SignatureReport) -> float:
+    """The chosen candidate's relative error against eager (what the gate demotes by, largest first)."""
+    chosen = next((c for c in report.candidates if c.backend == report.chosen), None)
+    return (chosen.rel_error or 0.0) if chosen is not None else 0.0
 
 
 def _splice(table: dict[str, Any], name: str, replacement: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,8 @@ class CandidateResult:
     check_seconds: float | None = None  # running it on every recorded call and comparing with eager
     timing_seconds: float | None = None  # its timed runs plus its share of eager's runs timed beside it
     rounds: int | None = None  # timed rounds (the sequential rule stops once its speed-up is decided)
+    precision: str = "fp32"  # what it computes in (`core/precision.py`): reduced ones are checked by relative error
+    rel_error: float | None = None  # its largest relative L2 error against eager on the recorded calls
 
     @property
     def ok(self) -> bool:
@@ -53,12 +55,18 @@ class SignatureReport:
     shape_check_seconds: float = 0.0
     shapes_rejected: list[str] = field(default_factory=list)  # new shapes whose check failed (they run eager)
     reference_seconds: float = 0.0  # computing eager's reference outputs for the checks
+    demoted: str | None = None  # a reduced-precision winner the end-to-end quality gate sent back to fp32, and why
 
     @property
     def chosen_latency_s(self) -> float | None:
         if self.chosen == "eager":
             return self.eager_latency_s
         return next((c.latency_s for c in self.candidates if c.backend == self.chosen), None)
+
+    @property
+    def precision(self) -> str:
+        """What the chosen backend computes in ("fp32" for eager)."""
+        return next((c.precision for c in self.candidates if c.backend == self.chosen), "fp32")
 
     @property
     def speedup(self) -> float | None:
@@ -89,6 +97,11 @@ class ModuleReport:
         """The chosen backend (several joined by '+' when signatures differ)."""
         chosen = sorted({s.chosen for s in self.signatures}) or ["eager"]
         return "+".join(chosen)
+
+    @property
+    def precision(self) -> str:
+        """What the chosen backends compute in (several joined by '+')."""
+        return "+".join(sorted({s.precision for s in self.signatures})) or "fp32"
 
     @property
     def eager_latency_s(self) -> float | None:
@@ -131,9 +144,10 @@ class ModuleReport:
             tuned_latency_s=self.tuned_latency_s,
             speedup=self.speedup,
             max_abs_error=self.max_abs_error,
+            precision=self.precision,
         )
         for sig, sig_data in zip(self.signatures, data["signatures"], strict=True):
-            sig_data.update(chosen_latency_s=sig.chosen_latency_s, speedup=sig.speedup)
+            sig_data.update(chosen_latency_s=sig.chosen_latency_s, speedup=sig.speedup, precision=sig.precision)
         return data
 
 
@@ -146,8 +160,22 @@ class TuningReport:
     tuning_seconds: float = 0.0
     descended: dict[str, ModuleReport] = field(default_factory=dict)  # replaced by targets inside them
     cache: str | None = None  # what the persistent cache did (`CacheStats.line()`), when it is on
+    #: The end-to-end quality gate of reduced precision (`Registration.gate`): metric, value, budget, passed, kind,
+    #: demoted (the blocks it sent back to fp32), replays; None when no reduced-precision decision was gated.
+    quality: dict[str, Any] | None = None
 
-    COLUMNS = ("target", "class", "state", "backend", "eager ms", "tuned ms", "speed-up", "max err", "note")
+    COLUMNS = (
+        "target",
+        "class",
+        "state",
+        "backend",
+        "precision",
+        "eager ms",
+        "tuned ms",
+        "speed-up",
+        "max err",
+        "note",
+    )
 
     def rows(self) -> list[list[str]]:
         """Table rows, one per target, as strings."""
@@ -182,12 +210,17 @@ class TuningReport:
             if report.training:
                 note = f"{note}; " if note else ""
                 note += f"runs eager in training mode, never tuned in it: {report.training}"
+            demoted = next((s.demoted for s in report.signatures if s.demoted), None)
+            if demoted:
+                note = f"{note}; " if note else ""
+                note += f"sent back to fp32 by the end-to-end quality gate: {demoted}"
             rows.append(
                 [
                     report.name,
                     report.module_class,
                     report.state,
                     report.backend,
+                    report.precision,
                     _ms(report.eager_latency_s),
                     _ms(report.tuned_latency_s),
                     _x(report.speedup),
@@ -225,13 +258,16 @@ class TuningReport:
             lines.append(self.cache)
         for name, report in self.descended.items():
             lines.append(f"descended into {name} ({report.module_class}): as a whole it stayed eager: {report.reason}")
+        quality = self.quality_line()
         if self.end_to_end:
             e2e = self.end_to_end
             lines.insert(
                 0,
                 f"end to end: eager {_ms(e2e.get('eager_s'))} ms -> tuned {_ms(e2e.get('tuned_s'))} ms "
-                f"= {_x(e2e.get('speedup'))} (measured)",
+                f"= {_x(e2e.get('speedup'))} (measured)" + (f"; quality: {quality}" if quality else ""),
             )
+        elif quality:
+            lines.insert(0, f"quality: {quality}")
         payback = self.payback()
         if payback is not None:
             saved_ms = payback["saved_per_call_s"] * 1e3
@@ -242,6 +278,20 @@ class TuningReport:
                 + ("never pays off" if calls is None else f"paid off after {calls} call(s)"),
             )
         return lines
+
+    def quality_line(self) -> str | None:
+        """The end-to-end quality of reduced precision, as the summary shows it next to the speed-up: "PSNR 41.2 dB
+        (>= 35) against fp32 eager; 2 block(s) sent back to fp32"; None without a gated reduced-precision decision."""
+        if not self.quality:
+            return None
+        from aitune_hf.core.quality import QualityFigure
+
+        q = self.quality
+        figure = QualityFigure(q["metric"], q["value"], q["budget"], q["passed"], q["kind"])
+        text = f"{figure.text()} against fp32 eager on the call that tuned"
+        if q.get("demoted"):
+            text += f"; {len(q['demoted'])} block(s) sent back to fp32 ({', '.join(q['demoted'])})"
+        return text
 
     def seconds_split(self) -> dict[str, dict[str, float]]:
         """`ModuleReport.seconds_split` summed over every target (descended ones included)."""
@@ -292,6 +342,7 @@ class TuningReport:
             "modules": {name: report.to_dict() for name, report in self.modules.items()},
             "descended": {name: report.to_dict() for name, report in self.descended.items()},
             "cache": self.cache,
+            "quality": self.quality,
         }
 
     @classmethod
@@ -322,6 +373,7 @@ class TuningReport:
             tuning_seconds=data.get("tuning_seconds") or 0.0,
             descended={name: module(raw) for name, raw in (data.get("descended") or {}).items()},
             cache=data.get("cache") if isinstance(data.get("cache"), str) else None,
+            quality=data.get("quality") if isinstance(data.get("quality"), dict) else None,
         )
 
     def plot(self, ax: Any = None, **kwargs: Any) -> Any:

@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from aitune_hf.backends.base import Backend, BuiltBackend, Call, get_backend
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.guards import ModuleGuard
+from aitune_hf.core.precision import block_budget
 from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import CandidateResult, SignatureReport
 from aitune_hf.core.signature import InputSignature, Sample, describe_family, state_tensors
@@ -29,12 +30,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Decision:
-    """A strategy's choice for one signature: the backend, its built callable (None for eager), the report."""
+    """A strategy's choice for one signature: the backend, its built callable (None for eager), the report; for a
+    reduced-precision winner, the best fp32 candidate to fall back to (None: eager) if the end-to-end gate fails."""
 
     backend: Backend | None
     built: BuiltBackend | None
     report: SignatureReport
     guard: ModuleGuard | None = None  # what the built backend depends on (None for eager)
+    fallback: tuple[Backend, BuiltBackend, ModuleGuard] | None = None
 
 
 #: Build cost by backend name: "cheap" builds take seconds (an export, a graph capture); "slow" ones are compilers
@@ -208,8 +211,10 @@ class TuningJob:
         return reason
 
     def try_backend(self, backend: Backend) -> tuple[CandidateResult, BuiltBackend | None]:
-        """Build `backend` and check it on every sample; never raises for a failing backend."""
-        result = CandidateResult(backend=backend.describe())
+        """Build `backend` and check it on every sample; never raises for a failing backend. A reduced-precision
+        candidate is checked by its relative error against the per-block budget (`precision.block_budget`)."""
+        result = CandidateResult(backend=backend.describe(), precision=backend.precision)
+        budget = block_budget(backend.precision)
         self.report.candidates.append(result)
         reason = self.unavailable_reason(backend)
         if reason is not None:
@@ -225,18 +230,18 @@ class TuningJob:
                     built = backend.build(self.module, self.forward, self.fresh_calls(), dynamic=True)
                 else:
                     built = backend.build(self.module, self.forward, self.fresh_calls())
-            worst = 0.0
+            worst = worst_rel = 0.0
             with checking, self.mode():
                 for sample, reference in zip(self.samples, self.references, strict=True):
                     call = sample.as_call()
                     observed = self._observe(sample, call, built.fn(*call[0], **call[1]))
-                    check = compare_outputs(reference, observed, self.config.tolerance)
-                    worst = max(worst, check.max_abs_error)
+                    check = compare_outputs(reference, observed, self.config.tolerance, budget)
+                    worst, worst_rel = max(worst, check.max_abs_error), max(worst_rel, check.rel_error)
                     if not check.ok:
-                        result.max_abs_error = check.max_abs_error
+                        result.max_abs_error, result.rel_error = check.max_abs_error, check.rel_error
                         result.error = f"wrong output: {check.reason}"
                         return result, None
-                result.max_abs_error = worst
+                result.max_abs_error, result.rel_error = worst, worst_rel
                 self.guards[result.backend] = ModuleGuard(
                     self.module, weights=built.bakes_weights, weight_check=self.config.weight_check
                 )
@@ -311,9 +316,17 @@ class TuningJob:
         self.report.chosen, self.report.reason = "eager", reason
         return Decision(None, None, self.report)
 
-    def choose(self, backend: Backend, result: CandidateResult, built: BuiltBackend) -> Decision:
+    def choose(
+        self,
+        backend: Backend,
+        result: CandidateResult,
+        built: BuiltBackend,
+        fallback: tuple[Backend, CandidateResult, BuiltBackend] | None = None,
+    ) -> Decision:
+        """`backend` serves; a reduced-precision one with `fallback`, the fp32 candidate it falls back to."""
         self.report.chosen, self.report.reason = result.backend, None
-        return Decision(backend, built, self.report, self.guards[result.backend])
+        kept = None if fallback is None else (fallback[0], fallback[2], self.guards[fallback[1].backend])
+        return Decision(backend, built, self.report, self.guards[result.backend], kept)
 
     def failures(self) -> str:
         return "; ".join(f"{c.backend}: {c.error}" for c in self.report.candidates if c.error)
@@ -407,12 +420,18 @@ class MinLatency(Strategy):
             if tier is slow and self.skip_slow_builds and winner is not None:
                 low = job.bounds.get(winner[1].backend, (0.0, 0.0))[0]
                 if low > clear:
-                    for backend in tier:
+                    # A clear win skips the slow builds in fp32 and in the winner's own precision; those of another
+                    # reduced precision are still built (the end-to-end gate may send an int8 win back, where bf16
+                    # would pass).
+                    beaten = ("fp32", winner[0].precision)
+                    for backend in [b for b in tier if b.precision in beaten]:
                         job.skip(
                             backend,
                             f"{winner[1].backend} won clearly (at least {low:.2f}x), and {backend.name} builds slowly",
                         )
-                    break
+                    tier = [b for b in tier if b.precision not in beaten]
+                    if not tier:
+                        break
             built_now = []
             for backend in tier:
                 if job.budget_spent:
@@ -439,7 +458,11 @@ class MinLatency(Strategy):
                 f"nothing was faster: best {result.backend} at {result.speedup:.2f}x "
                 f"(needs {job.config.min_speedup:.2f}x)"
             )
-        return job.choose(backend, result, built)
+        fallback = None
+        if backend.precision != "fp32":  # what serves if the end-to-end quality gate rejects the reduced precision
+            fp32 = [c for c in timed if c[0].precision == "fp32" and (c[1].speedup or 0.0) >= job.config.min_speedup]
+            fallback = _best(fp32)
+        return job.choose(backend, result, built, fallback)
 
     def __repr__(self) -> str:
         options = []

@@ -39,7 +39,7 @@ from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.guards import ModuleGuard, training_reason
 from aitune_hf.core.reasons import details, summarize
-from aitune_hf.core.report import ModuleReport, SignatureReport
+from aitune_hf.core.report import CandidateResult, ModuleReport, SignatureReport
 from aitune_hf.core.rng import rng_preserved
 from aitune_hf.core.signature import (
     InputSignature,
@@ -105,6 +105,10 @@ class _Route:
     guard: ModuleGuard  # the module state the decision was made in
     reference: InputSignature | None = None  # a shape it was built on, for `covers`
     family_wide: bool = False  # an eager decision for a whole shape family: it covers every shape of it
+    #: A reduced-precision decision: the fp32 candidate (backend, built, guard) it falls back to, None for eager.
+    fallback: tuple[Backend, BuiltBackend, ModuleGuard] | None = None
+    #: True until the end-to-end quality gate accepts this reduced-precision decision: the fallback serves meanwhile.
+    provisional: bool = False
 
     def holds(self) -> str | None:
         """None when this route may serve now, else what changed."""
@@ -432,6 +436,14 @@ class Target:
 
     def _serve(self, signature: InputSignature, route: _Route, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         built, chosen = route.built, route.report.chosen
+        if route.provisional and not self._context.gating():  # reduced precision waits for the end-to-end gate
+            if route.fallback is None:
+                self._count("eager")
+                return self.original_forward(*args, **kwargs)
+            built, chosen = route.fallback[1], route.fallback[0].describe()
+            if route.fallback[2].check() is not None:  # its own guard: the fp32 candidate may bake other state
+                self._count("eager")
+                return self.original_forward(*args, **kwargs)
         try:
             if built is None:  # another thread dropped it a moment ago
                 raise RuntimeError(f"{chosen} was dropped")
@@ -450,6 +462,31 @@ class Target:
             return self.original_forward(*args, **kwargs)
         self._count(chosen)
         return output
+
+    # -- the end-to-end gate of reduced precision (`Registration.gate`) ---------------------------------------------
+    def provisional(self) -> list[_Route]:
+        """The reduced-precision routes waiting for the end-to-end gate."""
+        return list({id(r): r for rs in self._routes.values() for r in rs if r.provisional}.values())
+
+    def accept(self, route: _Route) -> None:
+        """The gate passed: the reduced-precision decision serves from now on."""
+        route.provisional = False
+
+    def demote(self, route: _Route, why: str) -> None:
+        """The gate failed with this route among the worst: its fp32 fallback (or eager) serves it from now on."""
+        with self._lock:
+            reduced = route.report.chosen
+            if route.fallback is not None:
+                route.backend, route.built, route.guard = route.fallback
+                route.report.chosen = route.backend.describe()
+            else:
+                route.backend, route.built = None, None
+                route.report.chosen = "eager"
+                route.report.reason = "no fp32 candidate was faster"
+            route.report.demoted = f"{reduced}: {why}"
+            route.fallback, route.provisional = None, False
+            if self._state is not TargetState.ARMED:
+                self._settle()
 
     def _count(self, backend: str) -> None:
         with self._lock:
@@ -602,6 +639,8 @@ class Target:
         decision.report.shapes = len(signatures)
         family_wide = dynamic and decision.built is None
         route = _Route(decision.backend, decision.built, decision.report, guard, job.signature, family_wide)
+        if decision.backend is not None and decision.backend.precision != "fp32":
+            route.fallback, route.provisional = decision.fallback, context.gate_required
         self._add_route(signatures, route)
 
     def _add_route(self, signatures: list[InputSignature], route: _Route) -> None:
@@ -626,7 +665,7 @@ class Target:
                 self.module, signatures, dynamic, context.config, context.candidates, repr(context.strategy),
                 layout_of(job.samples[0].args, job.samples[0].kwargs),
             )) as entry,
-            build_context(place=entry.place if entry is not None else None),
+            build_context(place=entry.place if entry is not None else None, shared={}),
         ):  # fmt: skip
             decision = None
             # A sibling's decision, not this target's own: its own earlier one was made in another module state.
@@ -636,6 +675,9 @@ class Target:
                 decision = self._from_cache(job, entry)
             new = decision is None
             if new:
+                for precision, why in context.skipped_precisions:
+                    skipped = CandidateResult(f"{precision} variants", error=f"skipped: {why}", precision=precision)
+                    job.report.candidates.append(skipped)
                 decision = context.strategy.decide(job, context.candidates)
             if entry is not None:
                 stats = entry.cache.stats
@@ -670,7 +712,28 @@ class Target:
             return None
         original = next((c for c in figures.get("candidates", ()) if c.get("backend") == result.backend), {})
         result.latency_s, result.speedup = original.get("latency_s"), original.get("speedup")
-        return job.choose(backend, result, built)
+        return job.choose(backend, result, built, self._cached_fallback(job, figures, backend))
+
+    def _cached_fallback(
+        self, job: TuningJob, figures: dict[str, Any], winner: Backend
+    ) -> tuple[Backend, CandidateResult, BuiltBackend] | None:
+        """For a cached reduced-precision winner: the best fp32 candidate of the cached figures, built, for the
+        end-to-end gate to fall back to (None: eager)."""
+        if winner.precision == "fp32":
+            return None
+        fp32 = [
+            c for c in figures.get("candidates", ())
+            if c.get("precision", "fp32") == "fp32" and (c.get("speedup") or 0.0) >= job.config.min_speedup
+        ]  # fmt: skip
+        for figure in sorted(fp32, key=lambda c: -(c.get("speedup") or 0.0)):
+            backend = next((b for b in self._context.candidates if b.describe() == figure.get("backend")), None)
+            if backend is None:
+                continue
+            result, built = job.try_backend(backend)
+            if built is not None:
+                result.latency_s, result.speedup = figure.get("latency_s"), figure.get("speedup")
+                return backend, result, built
+        return None
 
     def _reuse(self, job: TuningJob, shared: tuple[str, Decision]) -> Decision | None:
         """Apply an identical sibling's decision, checked for correctness only; None to tune in full."""
@@ -689,7 +752,13 @@ class Target:
             return None
         original = next(c for c in decision.report.candidates if c.backend == result.backend)
         result.latency_s, result.speedup = original.latency_s, original.speedup
-        return job.choose(decision.backend, result, built)
+        fallback = None
+        if decision.fallback is not None:  # a reduced-precision decision: the sibling's fp32 fallback too
+            with build_context(sibling=True):
+                fallback_result, fallback_built = job.try_backend(decision.fallback[0])
+            if fallback_built is not None:
+                fallback = (decision.fallback[0], fallback_result, fallback_built)
+        return job.choose(decision.backend, result, built, fallback)
 
     def _settle(self, note: str | None = None) -> None:
         """Leave TUNING (or re-read the routes): TUNED if a route serves, EAGER if all are eager, else RECORDING

@@ -152,6 +152,8 @@ class AITuneMixin:
         auto = targets == "auto"
         found = find_targets(self, "components" if auto else targets)
         registration = register(as_modules(found), tuning_config)
+        # Reduced precision serves only once the whole call that tuned it, replayed, passes the quality budget.
+        registration.gate_required = tuning_config.reduced
         try:
             _apply_weight_motion(registration, found)
             if auto:
@@ -231,9 +233,14 @@ class AITuneMixin:
             return call(*args, **kwargs)
         tuned_before = registration.all_tuned
         untouched = not any(t.armed or t.decided for t in registration.targets.values())
+        snapshot = None
+        if registration.gate_required and any(t.armed for t in registration.targets.values()):
+            snapshot = _Snapshot.take(args, kwargs)  # this call may tune reduced precision: the gate replays it
         with Stopwatch() as watch:
             output = call(*args, **kwargs)
         seconds = watch.seconds
+        if snapshot is not None and registration.waiting_for_gate:
+            _gate(registration, call, snapshot)
         with state.lock:  # each count is seen by exactly one thread, so arming happens once
             state.calls += 1
             calls = state.calls
@@ -491,6 +498,49 @@ def _outside_call(state: _AITuneState, owner: str, target: str) -> None:
             target,
         )
         registration.tune()
+
+
+@dataclass
+class _Snapshot:
+    """A whole call's inputs (deep copies: tensors, the user's generator) and torch's random state when it began: what
+    the end-to-end quality gate replays, eager and tuned, to compare the two."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng: Any
+
+    @classmethod
+    def take(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Snapshot | None:
+        import torch
+
+        try:
+            with torch.no_grad():
+                copied_args, copied_kwargs = copy.deepcopy((args, kwargs))
+        except Exception as error:  # an input deepcopy refuses: reduced precision then never serves (the fallback does)
+            logger.warning("the end-to-end quality gate cannot copy this call (%s); reduced precision waits", error)
+            return None
+        return cls(copied_args, copied_kwargs, torch.random.get_rng_state())
+
+    def replay(self, call: Callable[..., Any]) -> Any:
+        import torch
+
+        from aitune_hf.core.rng import rng_preserved
+
+        args, kwargs = copy.deepcopy((self.args, self.kwargs))
+        with rng_preserved():
+            torch.random.set_rng_state(self.rng)
+            return call(*args, **kwargs)
+
+
+def _gate(registration: Registration, call: Callable[..., Any], snapshot: _Snapshot) -> None:
+    """Replay the call that tuned eager (the fp32 reference), then with the reduced-precision decisions serving, and
+    keep those whose whole output stays within `quality` (`Registration.gate`). The seconds count as tuning."""
+    with Stopwatch() as watch:
+        with registration.bypass():
+            reference = snapshot.replay(call)
+        registration.gate(reference, lambda: snapshot.replay(call))
+    if registration.quality is not None:
+        registration.quality["seconds"] = registration.quality.get("seconds", 0.0) + watch.seconds
 
 
 def _record_end_to_end(state: _AITuneState, eager: list[float], tuned: list[float], method: str) -> dict[str, Any]:

@@ -167,3 +167,22 @@ class WrongAtBatchThree(Backend):
         tensors = [leaf for leaf in samples[0][0] if isinstance(leaf, torch.Tensor)]
         dims = tuple(frozenset(range(t.dim())) for t in tensors) if dynamic else None
         return BuiltBackend(fn=fn, dynamic_dims=dims)
+
+
+class ReducedPrecisionStandIn(Backend):
+    """Runs eager and adds a fixed perturbation of relative size `module.reduced_error` (default 0.01) along a seeded
+    direction: what a reduced-precision kernel does to a block's output, with an error the test chooses. Declares
+    precision "int8", so the core checks it by relative error and holds it for the end-to-end gate."""
+
+    name = "reduced_stand_in"
+    precision = "int8"
+
+    def build(self, module: nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
+        error = float(getattr(module, "reduced_error", 0.01))
+
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            direction = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+            return out + error * out.norm() * direction / direction.norm()
+
+        return BuiltBackend(fn=fn)

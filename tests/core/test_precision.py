@@ -1,0 +1,152 @@
+"""Reduced precision, opt-in (issue 19): what is offered on this machine, the per-block filter, the end-to-end gate
+that sends the worst block back to fp32 until the whole output passes its budget, and what the report shows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from aitune_hf import TargetState, TuningConfig, register
+from aitune_hf.backends import InductorBackend, OnnxRuntimeBackend
+from aitune_hf.core import hardware
+from aitune_hf.core.precision import native_reason, with_precisions
+from aitune_hf.core.quality import measure
+from aitune_hf.errors import ConfigError
+from tests.core.modules import MLPBlock, ReducedPrecisionStandIn
+from tests.quick import QUICK
+
+CPU = frozenset({torch.device("cpu")})
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"precision": "int4"}, "unknown precision 'int4'; valid: 'fp32', 'auto', or a list of 'fp32', 'bf16'"),
+        ({"precision": ["fp32", "fp8"]}, "unknown precision 'fp8' in ['fp32', 'fp8']; valid names: 'fp32', 'bf16'"),
+        ({"precision": []}, "TuningConfig.precision must be 'fp32', 'auto'"),
+        ({"quality": {"ssim": 0.9}}, "unknown metric 'ssim'; valid: 'psnr' (PSNR against fp32 eager, dB, default 35)"),
+        ({"quality": {"psnr": float("nan")}}, "TuningConfig.quality['psnr'] must be a finite number"),
+        ({"quality": 35}, "TuningConfig.quality must be a dict of metric -> budget"),
+    ],
+)
+def test_bad_precision_or_quality_is_a_config_error_naming_what_is_valid(fields: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        TuningConfig(**fields)
+    assert message in str(error.value)
+
+
+def test_fp32_is_the_default_and_offers_the_backends_as_given() -> None:
+    config = TuningConfig()
+    assert config.precision == "fp32" and not config.reduced
+    backends = config.resolve_backends()
+    assert with_precisions(backends, config, CPU) == (backends, [])
+
+
+def test_auto_offers_what_this_machine_computes_natively_and_names_what_it_skips() -> None:
+    """Whatever the host: a bf16 compile where the CPU has AVX512-BF16 or AMX, int8 ONNX Runtime where it has VNNI
+    or AMX-INT8, fp16 where it has AMX-FP16; every other precision skipped with the hardware's reason."""
+    config = TuningConfig(backends=["onnxruntime", "inductor"], precision="auto")
+    candidates, skipped = with_precisions(config.resolve_backends(), config, CPU)
+    offered = {backend.describe() for backend in candidates}
+    assert {"onnxruntime", "inductor"} <= offered  # fp32 always
+    expectations = {
+        "bf16": (hardware.cpu_bf16_reason(), "inductor(freezing=True, precision=bf16)"),
+        "int8": (hardware.cpu_int8_reason(), "onnxruntime(precision=int8)"),
+        "fp16": (hardware.cpu_fp16_reason(), "inductor(freezing=True, precision=fp16)"),
+    }
+    for precision, (reason, variant) in expectations.items():
+        assert native_reason(precision, CPU) == reason
+        if reason is None:
+            assert variant in offered and precision not in dict(skipped)
+        else:
+            assert variant not in offered and dict(skipped)[precision] == reason
+    assert "precision=" in InductorBackend().with_precision("bf16").describe()
+    assert OnnxRuntimeBackend(weights="live").with_precision("int8") is None  # int8 quantizes constant weights
+    with pytest.raises(ConfigError, match="precision='int8' quantizes constant weights"):
+        OnnxRuntimeBackend(weights="live", precision="int8")
+
+
+def _chain(errors: list[float]) -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [MLPBlock(32) for _ in errors]
+    for block, error in zip(blocks, errors, strict=True):
+        block.reduced_error = error
+    return nn.Sequential(*blocks).eval()
+
+
+def test_a_reduced_decision_waits_for_the_gate_which_sends_the_worst_block_back_until_the_output_passes() -> None:
+    model = _chain([0.02, 0.08, 0.04])
+    x = torch.randn(6, 32)
+    registration = register(model, {**QUICK, "backends": [ReducedPrecisionStandIn()], "min_speedup": 0})
+    registration.gate_required = True
+    with torch.no_grad():
+        model(x)
+        registration.tune()
+        waiting = model(x)  # tunes; the reduced decisions wait for the gate: eager serves them meanwhile
+        with registration.bypass():
+            reference = model(x)
+    assert torch.equal(waiting, reference) and registration.waiting_for_gate
+    assert all(t.calls_served.get("reduced_stand_in", 0) == 0 for t in registration.targets.values())
+    # The whole output's budget: with every block reduced, its min per-row cosine is 0.985; without block 1 (the worst,
+    # 0.08 off), 0.997: blocks 0 and 2 fit in it.
+    registration.config.quality = {"cosine": 0.995}
+
+    def replay() -> torch.Tensor:
+        with torch.no_grad():
+            return model(x)
+
+    figure = registration.gate(reference, replay)
+    assert figure is not None and figure.passed and figure.metric == "cosine"
+    states = {name: t.report() for name, t in registration.targets.items()}
+    assert states["1"].signatures[0].demoted.startswith("reduced_stand_in: min cosine")  # the worst, 0.08 off
+    assert states["1"].backend == "eager" and states["0"].backend == states["2"].backend == "reduced_stand_in"
+    assert registration.quality["demoted"] == ["1"] and registration.quality["replays"] == 2
+    with torch.no_grad():
+        served = model(x)
+    assert measure(reference, served, {"cosine": 0.995}).passed
+    assert registration.targets["0"].calls_served["reduced_stand_in"] >= 1
+    text = str(registration.report())
+    assert "quality: min cosine" in text and "1 block(s) sent back to fp32 (1)" in text
+    assert "sent back to fp32 by the end-to-end quality gate: reduced_stand_in: min cosine" in text
+    registration.detach()
+
+
+def test_a_budget_no_candidate_meets_leaves_fp32_decisions_with_the_figure() -> None:
+    model = _chain([0.01, 0.01])
+    x = torch.randn(6, 32)
+    registration = register(model, {**QUICK, "backends": [ReducedPrecisionStandIn()], "min_speedup": 0})
+    registration.gate_required = True
+    with torch.no_grad():
+        model(x)
+        registration.tune()
+        model(x)
+        with registration.bypass():
+            reference = model(x)
+    registration.config.quality = {"cosine": 1.0}  # nothing reduced is ever exactly eager
+
+    def replay() -> torch.Tensor:
+        with torch.no_grad():
+            return model(x)
+
+    figure = registration.gate(reference, replay)
+    assert figure is not None and not figure.passed and sorted(registration.quality["demoted"]) == ["0", "1"]
+    assert all(t.state is TargetState.EAGER for t in registration.targets.values())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference, atol=0, rtol=0)
+    assert "(needs >= 1)" in str(registration.report())
+    registration.detach()
+
+
+def test_the_per_block_filter_rejects_a_block_far_off_eager() -> None:
+    model = _chain([0.5])  # 50% off: no reduced precision is that far off a block's fp32 output
+    x = torch.randn(6, 32)
+    registration = register(model, {**QUICK, "backends": [ReducedPrecisionStandIn()], "min_speedup": 0})
+    with torch.no_grad():
+        model(x)
+        registration.tune()
+        model(x)
+    (candidate,) = registration.targets["0"].report().signatures[0].candidates
+    assert registration.targets["0"].state is TargetState.EAGER and "relative L2; budget 0.1" in candidate.error
+    assert candidate.precision == "int8" and candidate.rel_error > 0.4
+    registration.detach()
