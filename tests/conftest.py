@@ -52,6 +52,7 @@ def pytest_configure(config: pytest.Config) -> None:
 WHOLE_MODULES = frozenset(
     {
         "tests/test_cli.py",
+        "tests/test_serving.py",
         "tests/test_session.py",
         "tests/test_testing_factories.py",
         "tests/core/test_inductor.py",

@@ -79,6 +79,9 @@ class BuildContext:
     #: Scratch space shared by the builds of one tuning of one module (None outside one): a reduced-precision variant
     #: reuses there what the fp32 build of the same backend made (ONNX Runtime's int8 variant: the fp32 export).
     shared: dict[Any, Any] | None = None
+    #: Build only from a private copy of the module (background tuning): a backend that would have to work on the
+    #: live module raises instead.
+    private_only: bool = False
 
 
 _BUILD: contextvars.ContextVar[BuildContext] = contextvars.ContextVar("aitune_hf_build", default=BuildContext())  # noqa: B039 (frozen)
@@ -113,6 +116,9 @@ class Backend(abc.ABC):
     #: The precision the built callable computes in (`PRECISIONS`): "fp32" for every backend unless a reduced-precision
     #: variant (`with_precision`) was asked for.
     precision: str = "fp32"
+    #: True when `build` works on a private copy of the module (the live one keeps serving other threads untouched, as
+    #: background tuning needs); False for a compiler that traces the live module.
+    builds_privately: bool = False
 
     def with_precision(self, precision: str) -> Backend | None:
         """This backend computing in `precision` (a new instance with the same options), or None when it has no such

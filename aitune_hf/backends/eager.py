@@ -17,6 +17,7 @@ class EagerBackend(Backend):
     name = "eager"
     supports_autograd = True
     accepts_objects = True
+    builds_privately = True  # builds nothing
 
     def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
         return BuiltBackend(fn=forward)

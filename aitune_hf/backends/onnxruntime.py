@@ -71,6 +71,7 @@ class OnnxRuntimeBackend(Backend):
 
     name = "onnxruntime"
     polymorphic = True  # dynamic axes: one session serves a shape family
+    builds_privately = True  # exports a deep copy of the module (`_private_twin`)
 
     def __init__(
         self,
@@ -227,7 +228,7 @@ class OnnxRuntimeBackend(Backend):
             skeleton = self._skeletons.get(sibling) if sibling is not None and sibling_build else None
             proto = _quietly(skeleton.fill, module) if skeleton is not None else None
             shared = current_build().shared
-            if proto is None and self.precision != "fp32" and shared is not None:  # the fp32 build's export
+            if proto is None and shared is not None:  # the export another precision's build of this call made
                 proto = shared.get(("onnx_export", call_key))
             if proto is None:
                 with _exporting(), torch.inference_mode(False), torch.no_grad():
@@ -240,7 +241,7 @@ class OnnxRuntimeBackend(Backend):
                             if attempt == len(attempts) - 1:
                                 raise
                             logger.debug("export with dynamic dims %s failed; trying fewer", dims, exc_info=True)
-                if shared is not None:  # for a reduced-precision variant built next in this tuning
+                if shared is not None:  # for the other precision's build of this call, in this tuning
                     shared[("onnx_export", call_key)] = program.model_proto
             if sibling is not None and skeleton is None:  # this export, for the identical siblings to come
                 proto = proto if proto is not None else program.model_proto
@@ -496,12 +497,17 @@ def _private_twin(module: torch.nn.Module, forward: Callable[..., Any]) -> tuple
     """A deep copy of `module` and `forward` bound to it, for the exporter to trace. Falls back to the module
     itself (then other threads must not call it while exporting) when the forward is not the module's own
     bound method or the module cannot be copied."""
+    private_only = current_build().private_only  # background tuning: the live module keeps serving
     if getattr(forward, "__self__", None) is not module or not hasattr(forward, "__func__"):
+        if private_only:
+            raise RuntimeError("cannot export a private copy: the forward to export is not the module's own method")
         return module, forward
     try:
         with torch.no_grad():
             twin = copy.deepcopy(module)
-    except Exception:
+    except Exception as error:
+        if private_only:
+            raise RuntimeError(f"cannot export a private copy: the module cannot be copied ({error})") from error
         return module, forward
     # Weights in another memory format (`module.to(memory_format=torch.channels_last)`): the exporter turns each
     # into an initializer through a byte view that needs row-major storage. The copy's weights are made row-major;

@@ -86,21 +86,22 @@ def default_location() -> str:
     return platformdirs.user_cache_dir("aitune_hf", appauthor=False)
 
 
-def open_cache(config: TuningConfig) -> TuningCache | None:
-    """The cache `config` asks for (`cache_dir`, else `$AITUNE_HF_CACHE`, else `default_location()`), or None
-    when it is off. A cache that cannot be used (a folder others may write to, a URL whose file system is not
-    installed) is a warning and None: tuning goes on without it."""
+def open_cache(config: TuningConfig) -> tuple[TuningCache | None, str | None]:
+    """The cache `config` asks for (`cache_dir`, else `$AITUNE_HF_CACHE`, else `default_location()`), or None when
+    it is off; and why it is not used when it cannot be (a folder others may write to, a URL whose file system is not
+    installed: the fsspec package to install is named), else None. That is a warning, never an error: tuning goes on
+    without the cache."""
     if config.cache == "off":
-        return None
+        return None, None
     location = config.cache_dir if config.cache_dir is not None else os.environ.get(ENV) or default_location()
     location = os.fspath(location)
     if location.strip().lower() == "off":
-        return None
+        return None, None
     try:
-        return TuningCache(location, read_only=config.cache == "ro")
+        return TuningCache(location, read_only=config.cache == "ro"), None
     except CacheUnusable as error:
         logger.warning("aitune_hf cache off: %s", error)
-        return None
+        return None, str(error)
 
 
 class CacheUnusable(Exception):

@@ -80,6 +80,9 @@ class TuningConfig:
             or a list of names from `PRECISIONS` (e.g. ["fp32", "int8"]). A reduced-precision candidate serves only
             after a per-block error filter and, under the Hugging Face layer, the end-to-end `quality` gate
             (docs/precision.md).
+        background: tune on a worker thread while calls keep being served (eager, or by what is tuned already): no
+            call waits for a tuning; only backends that build from a private copy of the module take part (ONNX
+            Runtime; Inductor compiles the live module). docs/serving.md.
         quality: the end-to-end budget of reduced precision by metric (`aitune_hf.core.quality.METRICS`): e.g.
             {"psnr": 40} for images, {"cosine": 0.995} for embeddings; None: the defaults per output kind (PSNR >= 35
             dB, min per-row cosine >= 0.99, the same argmax, the same tokens).
@@ -118,6 +121,7 @@ class TuningConfig:
     budget_s: float | None = None
     precision: str | Sequence[str] = "fp32"
     quality: Mapping[str, float] | None = None
+    background: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -153,6 +157,7 @@ class TuningConfig:
             if self.budget_s <= 0:
                 raise _error("budget_s", self.budget_s, "a finite number > 0, or None")
         self.precision = _check_precision(self.precision)
+        self.background = _check_bool("background", self.background)
         self.quality = _check_quality(self.quality)
 
     @property

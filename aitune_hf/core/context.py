@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from aitune_hf.backends.base import Backend
+from aitune_hf.core.background import BackgroundTuner
 from aitune_hf.core.cache import TuningCache
 from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.strategy import Decision, Strategy
@@ -69,10 +70,13 @@ class TuningContext:
     cache: TuningCache | None = None
     #: Called with the target's name at the start of each routed call, while set (`Registration.observe_calls`).
     on_call: Callable[[str], None] | None = None
-    #: Reduced precisions asked for that this machine does not compute natively: (precision, why), in every report.
-    skipped_precisions: list[tuple[str, str]] = field(default_factory=list)
+    #: Candidates left out here (reduced precisions this machine does not compute natively, backends that cannot
+    #: build in the background): (name, why), in the report of every new decision.
+    skipped: list[tuple[str, str]] = field(default_factory=list)
     #: True when a reduced-precision decision waits for the end-to-end gate (`Registration.gate`) before it serves
     #: (the fp32 candidate it falls back to serves meanwhile); False: the per-block filter suffices.
     gate_required: bool = False
     #: True inside `Registration.gate`'s replays in this thread: decisions waiting for the gate serve.
     gating: Callable[[], bool] = lambda: False
+    #: The background tuner (`TuningConfig.background`), or None: targets then tune inside the calls that arm them.
+    background: BackgroundTuner | None = None

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from aitune_hf.backends.base import Backend
+from aitune_hf.core.background import BackgroundTuner
 from aitune_hf.core.cache import TuningCache, open_cache
 from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.context import Progress, TuningContext
@@ -106,18 +107,26 @@ class Registration:
         devices = frozenset(t.device for m in modules.values() for t in [*m.parameters(), *m.buffers()])
         devices = devices or frozenset({torch.device("cpu")})
         strategy.validate(config, devices)
-        candidates, skipped = with_precisions(strategy.candidates(config), config, devices)
+        candidates, precisions = with_precisions(strategy.candidates(config), config, devices)
+        skipped = [(f"{precision} variants", why) for precision, why in precisions]
+        if config.background:  # only what builds from a private copy may build while the module serves
+            skipped += [(b.describe(), _LIVE_BUILD) for b in candidates if not b.builds_privately]
+            candidates = [b for b in candidates if b.builds_privately]
         self._modules = dict(modules)
         self._detached = False
         self._local = threading.local()  # bypass() is per thread: other threads keep being served
+        cache, unusable = open_cache(config)
+        #: Why the cache asked for is not used (it could not be opened), or None.
+        self.cache_unusable = unusable
         self._context = TuningContext(
             config=config,
             strategy=strategy,
             candidates=candidates,
             progress=Progress(self._pending_count, enabled=config.progress),
             bypassed=lambda: self.bypassed,
-            cache=open_cache(config),
-            skipped_precisions=skipped,
+            cache=cache,
+            skipped=skipped,
+            background=BackgroundTuner(", ".join(list(modules)[:2])) if config.background else None,
             gating=lambda: getattr(self._local, "gating", False),
         )
         #: The latest end-to-end quality gate (`gate`): what the report shows beside the speed-up.
@@ -261,8 +270,9 @@ class Registration:
 
     @property
     def state_counts(self) -> dict[str, int]:
-        """State name -> number of targets in it."""
-        return dict(collections.Counter(str(target.state) for target in self._targets.values()))
+        """State name -> number of targets in it; targets never called are counted as "idle" (a VAE's encoder stages
+        in a text-to-image pipeline), whatever their state."""
+        return dict(collections.Counter("idle" if t.idle else str(t.state) for t in self._targets.values()))
 
     @property
     def all_tuned(self) -> bool:
@@ -314,6 +324,11 @@ class Registration:
     @gate_required.setter
     def gate_required(self, value: bool) -> None:
         self._context.gate_required = bool(value)
+
+    @property
+    def background(self) -> BackgroundTuner | None:
+        """The background tuner (`TuningConfig.background`): `pending`, `status()`, `wait()`; None in the foreground."""
+        return self._context.background
 
     @property
     def waiting_for_gate(self) -> bool:
@@ -378,6 +393,8 @@ class Registration:
             if _HELD.get(target.module) is target:
                 del _HELD[target.module]
         self._context.progress.close()
+        if self._context.background is not None:
+            self._context.background.stop()
         self._context.decisions.clear()
         self._context.on_call = None
         self._detached = True
@@ -391,6 +408,12 @@ class Registration:
     def __repr__(self) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in sorted(self.state_counts.items()))
         return f"<Registration of {len(self._targets)} target(s): {counts}>"
+
+
+_LIVE_BUILD = (
+    "background tuning builds only from a private copy of the module (calls keep running on the live one); this "
+    "backend compiles the live module (docs/serving.md)"
+)
 
 
 def _rel_error(report: SignatureReport) -> float:

@@ -18,6 +18,7 @@ from aitune_hf.core.guards import ModuleGuard
 from aitune_hf.core.precision import block_budget
 from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import CandidateResult, SignatureReport
+from aitune_hf.core.rng import DrawsRandomNumbers, no_random_draws, random_states
 from aitune_hf.core.signature import InputSignature, Sample, describe_family, state_tensors
 from aitune_hf.core.timing import Stopwatch, clock, time_until_settled
 from aitune_hf.errors import ConfigError, TuningError
@@ -69,11 +70,6 @@ def cheap_first(backends: Sequence[Backend]) -> list[Backend]:
 
 class NoEvidence(Exception):
     """No sample of a signature can serve as evidence (non-finite eager output, or not replayable)."""
-
-
-class DrawsRandomNumbers(Exception):
-    """The forward draws from torch's default random generators: no backend can give its output and leave the
-    user's random stream where eager leaves it, so eager is kept (the message is the reason)."""
 
 
 class TuningJob:
@@ -133,22 +129,19 @@ class TuningJob:
         self.samples: list[Sample] = []
         self.references: list[Any] = []
         self._timed: list[int] = []  # indices into samples of the calls that are timed
-        streams = _random_streams()
         with Stopwatch(self.devices) as references, self.mode():
-            for signature, sample in replayable:
-                call = sample.as_call()
-                reference = self._observe(sample, call, forward(*call[0], **call[1]))
-                if _all_finite(reference):
-                    if signature in hot:
-                        hot.discard(signature)
-                        self._timed.append(len(self.samples))
-                    self.samples.append(sample)
-                    self.references.append(reference)
-        if not all(torch.equal(a, b) for a, b in zip(streams, _random_streams(), strict=True)):
-            raise DrawsRandomNumbers(
-                "the forward draws from torch's random generators (a dropout in training mode, a noise term): a "
-                "backend would leave the random stream elsewhere than eager does"
-            )
+            try:  # stopped before it draws, if the forward draws random numbers (core/rng.py)
+                with no_random_draws():
+                    self._references(forward, replayable, hot)
+            except DrawsRandomNumbers:
+                raise
+            except Exception:  # the forward raised, or cannot run under a dispatch mode: again, watching the states
+                states = random_states()
+                self._references(forward, replayable, set(self.signatures[: self.TIMED_SHAPES]))
+                if not all(torch.equal(a, b) for a, b in zip(states, random_states(), strict=True)):
+                    raise DrawsRandomNumbers(
+                        "the forward draws random numbers: no backend would leave the random stream where eager does"
+                    ) from None
         if not self.samples:
             raise NoEvidence(
                 f"no finite eager reference: all {len(replayable)} recorded call(s) gave non-finite outputs"
@@ -164,6 +157,20 @@ class TuningJob:
         self.guards: dict[str, ModuleGuard] = {}
         #: The latest (lower, upper) confidence bounds of each timed candidate's speed-up (`timing.median_bounds`).
         self.bounds: dict[str, tuple[float, float]] = {}
+
+    def _references(self, forward: Callable[..., Any], replayable: list[tuple[Any, Sample]], hot: set[Any]) -> None:
+        """Replay every recorded call eager: the references the candidates are checked against (and which calls of
+        the hottest shapes are timed)."""
+        self.samples, self.references, self._timed = [], [], []
+        for signature, sample in replayable:
+            call = sample.as_call()
+            reference = self._observe(sample, call, forward(*call[0], **call[1]))
+            if _all_finite(reference):
+                if signature in hot:
+                    hot.discard(signature)
+                    self._timed.append(len(self.samples))
+                self.samples.append(sample)
+                self.references.append(reference)
 
     @property
     def budget_spent(self) -> bool:
@@ -332,15 +339,6 @@ class TuningJob:
         return "; ".join(f"{c.backend}: {c.error}" for c in self.report.candidates if c.error)
 
 
-def _random_streams() -> list[torch.Tensor]:
-    """The states of torch's default generators a forward may draw from: the CPU one, and each CUDA device's once
-    CUDA is initialised (the tuning core restores them after every replay: `core.rng.rng_preserved`)."""
-    states = [torch.random.get_rng_state()]
-    if torch.cuda.is_initialized():
-        states += torch.cuda.get_rng_state_all()
-    return states
-
-
 def _all_finite(value: Any) -> bool:
     """True when every floating-point (or complex) tensor in `value` is finite."""
     for leaf in pytree.tree_leaves(value):
@@ -407,12 +405,50 @@ class MinLatency(Strategy):
 
     def decide(self, job: TuningJob, backends: Sequence[Backend]) -> Decision:
         ordered = self.ordered(backends)
-        cheap = [b for b in ordered if build_cost(b) == "cheap"]
-        slow = [b for b in ordered if build_cost(b) == "slow"]
-        if self.order == "given":  # one tier, in the order given: nothing is skipped for its cost
-            cheap, slow = ordered, []
         clear = max(job.config.min_speedup, self.clear_speedup)
-        timed: list[tuple[Backend, CandidateResult, BuiltBackend]] = []
+        # Reduced precision (opt-in) first: it is what was asked for, and where it wins clearly the fp32 candidates
+        # are not built at all (a block it wins by far pays no fp32 export or compile). If the end-to-end gate sends
+        # it back, the block runs eager and tunes again in fp32 (`Target.demote`).
+        reduced = [b for b in ordered if b.precision != "fp32"]
+        timed = self._tiers(job, reduced, [], clear) if reduced else []
+        winner = _best(timed)
+        fp32 = [b for b in ordered if b.precision == "fp32"]
+        if reduced and winner is not None and job.bounds.get(winner[1].backend, (0.0, 0.0))[0] > clear:
+            low = job.bounds[winner[1].backend][0]
+            for backend in fp32:
+                job.skip(backend, f"{winner[1].backend} won clearly (at least {low:.2f}x); fp32 is tried if it fails")
+        elif fp32:
+            timed = self._tiers(job, fp32, timed, clear)
+        best = _best(timed)
+        if best is None:
+            return job.keep_eager(_nothing_worked(job, backends))
+        backend, result, built = best
+        if (result.speedup or 0.0) < job.config.min_speedup:
+            return job.keep_eager(
+                f"nothing was faster: best {result.backend} at {result.speedup:.2f}x "
+                f"(needs {job.config.min_speedup:.2f}x)"
+            )
+        fallback = None
+        if backend.precision != "fp32":  # what serves if the end-to-end quality gate rejects the reduced precision
+            fp32_timed = [
+                c for c in timed if c[0].precision == "fp32" and (c[1].speedup or 0.0) >= job.config.min_speedup
+            ]
+            fallback = _best(fp32_timed)
+        return job.choose(backend, result, built, fallback)
+
+    def _tiers(
+        self,
+        job: TuningJob,
+        backends: list[Backend],
+        timed: list[tuple[Backend, CandidateResult, BuiltBackend]],
+        clear: float,
+    ) -> list[tuple[Backend, CandidateResult, BuiltBackend]]:
+        """Build, check and time `backends` cheap builds first, then slow ones unless a cheap one (or one of `timed`)
+        won clearly; returns every candidate still in contention, timed side by side."""
+        cheap = [b for b in backends if build_cost(b) == "cheap"]
+        slow = [b for b in backends if build_cost(b) == "slow"]
+        if self.order == "given":  # one tier, in the order given: nothing is skipped for its cost
+            cheap, slow = backends, []
         for tier, thresholds in ((cheap, (job.config.min_speedup, clear)), (slow, (job.config.min_speedup,))):
             if not tier:
                 continue
@@ -449,20 +485,7 @@ class MinLatency(Strategy):
             timed = [c for c in timed if id(c[1]) not in retimed] + [
                 c for c in contenders + built_now if id(c[1]) in survivors
             ]
-        best = _best(timed)
-        if best is None:
-            return job.keep_eager(_nothing_worked(job, backends))
-        backend, result, built = best
-        if (result.speedup or 0.0) < job.config.min_speedup:
-            return job.keep_eager(
-                f"nothing was faster: best {result.backend} at {result.speedup:.2f}x "
-                f"(needs {job.config.min_speedup:.2f}x)"
-            )
-        fallback = None
-        if backend.precision != "fp32":  # what serves if the end-to-end quality gate rejects the reduced precision
-            fp32 = [c for c in timed if c[0].precision == "fp32" and (c[1].speedup or 0.0) >= job.config.min_speedup]
-            fallback = _best(fp32)
-        return job.choose(backend, result, built, fallback)
+        return timed
 
     def __repr__(self) -> str:
         options = []

@@ -40,7 +40,7 @@ from aitune_hf.core.context import TuningContext
 from aitune_hf.core.guards import ModuleGuard, training_reason
 from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import CandidateResult, ModuleReport, SignatureReport
-from aitune_hf.core.rng import rng_preserved
+from aitune_hf.core.rng import DrawsRandomNumbers
 from aitune_hf.core.signature import (
     InputSignature,
     Sample,
@@ -52,7 +52,7 @@ from aitune_hf.core.signature import (
     signature_of,
 )
 from aitune_hf.core.slots import ForwardSlot, all_slots, locate_slot
-from aitune_hf.core.strategy import Decision, DrawsRandomNumbers, NoEvidence, TuningJob
+from aitune_hf.core.strategy import Decision, NoEvidence, TuningJob
 from aitune_hf.core.timing import Stopwatch
 from aitune_hf.errors import UsageError
 
@@ -64,6 +64,8 @@ _CHANGES_KEPT = 5
 _REJECTED_KEPT = 1024
 #: What `Target._check_new_shape` returns when no polymorphic route covers a call.
 _NOT_COVERED = object()
+#: Why reduced-precision candidates are unavailable to a target whose reduced-precision decision failed the gate.
+_DEMOTED = "reduced precision failed the end-to-end quality gate here: this block tunes in fp32"
 #: One tuning at a time in the process: torch.export and Dynamo tracing hold process-wide state (flags such as
 #: `torch.compiler.is_compiling()`, patched module calls). A thread that finds it taken runs its call eager.
 _TUNING = threading.Lock()
@@ -188,6 +190,8 @@ class Target:
         self.calls_served: dict[str, int] = {}
         #: Why the latest call ran in training mode (`guards.training_reason`), until a call is served again.
         self.training: str | None = None
+        #: What the end-to-end gate sent back, for the report of the fp32 decision tuned in its place.
+        self._demoted: str | None = None
         #: What changed, for the most recent guard failures.
         self.changes: collections.deque[str] = collections.deque(maxlen=_CHANGES_KEPT)
         self._routes: dict[InputSignature, list[_Route]] = {}
@@ -348,8 +352,12 @@ class Target:
                     self._changed(change)
                 if self._accepts_samples(signature):
                     self._record(signature, args, kwargs)
-            if state is TargetState.ARMED and self._tune_if_free():  # armed, and no route for this call
-                route, _ = self._lookup(signature)
+            if state is TargetState.ARMED:  # armed, and no route for this call
+                background = self._context.background
+                if background is not None:  # no call waits for a tuning: the worker tunes, this call runs eager
+                    background.submit(self)
+                elif self._tune_if_free():
+                    route, _ = self._lookup(signature)
         if route is not None and route.built is not None:
             return self._serve(signature, route, args, kwargs)
         self._count("eager")
@@ -369,6 +377,12 @@ class Target:
             return True
         finally:
             _TUNING.release()
+
+    def tune_in_background(self, tuner: Any) -> None:
+        """Tune now, on the background worker (`core/background.py`): waits for any tuning in the process to end."""
+        with _TUNING, self._lock:
+            if self._state is TargetState.ARMED:
+                self._tune()
 
     def _check_new_shape(self, signature: InputSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call of a shape that no route of its own serves, covered by a polymorphic route of its family: run
@@ -397,8 +411,7 @@ class Target:
             output = self.original_forward(*args, **kwargs)
             fell_back = built.fell_back() if built.fell_back is not None else 0
             try:
-                with rng_preserved():  # the user's random stream is where eager left it
-                    candidate = built.fn(*args, **kwargs)
+                candidate = built.fn(*args, **kwargs)
                 check = compare_outputs(output, candidate, self._context.config.tolerance)
                 failure = None if check.ok else f"wrong output: {check.reason}"
                 if failure is None and built.fell_back is not None and built.fell_back() > fell_back:
@@ -473,20 +486,31 @@ class Target:
         route.provisional = False
 
     def demote(self, route: _Route, why: str) -> None:
-        """The gate failed with this route among the worst: its fp32 fallback (or eager) serves it from now on."""
+        """The gate failed with this route among the worst: its fp32 fallback serves it from now on. Where none was
+        built (the reduced precision won clearly, so fp32 was not tried), the route is dropped and the target tunes
+        again, in fp32 only: the next call of the signature runs eager and is recorded, the one after tunes."""
         with self._lock:
             reduced = route.report.chosen
+            note = f"{reduced}: {why}"
             if route.fallback is not None:
                 route.backend, route.built, route.guard = route.fallback
                 route.report.chosen = route.backend.describe()
-            else:
-                route.backend, route.built = None, None
-                route.report.chosen = "eager"
-                route.report.reason = "no fp32 candidate was faster"
-            route.report.demoted = f"{reduced}: {why}"
-            route.fallback, route.provisional = None, False
-            if self._state is not TargetState.ARMED:
-                self._settle()
+                route.report.demoted = note
+                route.fallback, route.provisional = None, False
+                if self._state is not TargetState.ARMED:
+                    self._settle()
+                return
+            route.provisional = False
+            self._routes = {
+                sig: kept for sig, rs in self._routes.items() if (kept := [r for r in rs if r is not route])
+            }
+            self._families = {
+                family: kept for family, rs in self._families.items() if (kept := [r for r in rs if r is not route])
+            }
+            self._demoted = note
+            if not any(reason == _DEMOTED for _, reason in self._restrictions):
+                self.restrict(lambda backend: backend.precision == "fp32", _DEMOTED)
+            self._move(TargetState.ARMED, self._reason)
 
     def _count(self, backend: str) -> None:
         with self._lock:
@@ -566,7 +590,7 @@ class Target:
         self._context.progress.started(self.name)
         interrupted = None
         try:
-            with Stopwatch() as watch, rng_preserved():  # replays draw random numbers; the user's next draw must not
+            with Stopwatch() as watch:
                 for group, dynamic in self._groups(pending):
                     self._decide(group, {sig: self.samples[sig] for sig in group}, dynamic, started=watch.start)
                     for signature in group:
@@ -637,6 +661,8 @@ class Target:
         # An eager decision holds for this module state too: a new state (FreeU off again) is tuned afresh.
         guard = decision.guard if decision.built is not None else ModuleGuard(self.module)
         decision.report.shapes = len(signatures)
+        if self._demoted is not None:  # this decision replaces a reduced-precision one the gate sent back
+            decision.report.demoted, self._demoted = self._demoted, None
         family_wide = dynamic and decision.built is None
         route = _Route(decision.backend, decision.built, decision.report, guard, job.signature, family_wide)
         if decision.backend is not None and decision.backend.precision != "fp32":
@@ -665,7 +691,9 @@ class Target:
                 self.module, signatures, dynamic, context.config, context.candidates, repr(context.strategy),
                 layout_of(job.samples[0].args, job.samples[0].kwargs),
             )) as entry,
-            build_context(place=entry.place if entry is not None else None, shared={}),
+            build_context(
+                place=entry.place if entry is not None else None, shared={}, private_only=context.background is not None
+            ),
         ):  # fmt: skip
             decision = None
             # A sibling's decision, not this target's own: its own earlier one was made in another module state.
@@ -675,9 +703,11 @@ class Target:
                 decision = self._from_cache(job, entry)
             new = decision is None
             if new:
-                for precision, why in context.skipped_precisions:
-                    skipped = CandidateResult(f"{precision} variants", error=f"skipped: {why}", precision=precision)
-                    job.report.candidates.append(skipped)
+                for name, why in context.skipped:
+                    precision = name.removesuffix(" variants") if name.endswith(" variants") else "fp32"
+                    job.report.candidates.append(CandidateResult(name, error=f"skipped: {why}", precision=precision))
+                if context.background is not None:  # nothing to reuse: a full tuning (a warming replica stops waiting)
+                    context.background.afresh = True
                 decision = context.strategy.decide(job, context.candidates)
             if entry is not None:
                 stats = entry.cache.stats

@@ -58,6 +58,10 @@ class _AITuneState:
     inside: threading.local = field(default_factory=threading.local)  # `.depth`: this thread is in a whole call
     marker: str | None = None  # with no whole call seen: the target whose calls count as the object's calls
     outside_calls: int = 0  # calls of `marker` outside any whole call
+    #: The latest whole call made while targets were armed (its call and `_Snapshot`): what the end-to-end quality
+    #: gate replays once reduced-precision decisions wait for it (at the end of that call, or of a later one when
+    #: they were tuned in the background).
+    gate_call: tuple[Callable[..., Any], Any] | None = None
 
     @property
     def in_whole_call(self) -> bool:
@@ -233,14 +237,15 @@ class AITuneMixin:
             return call(*args, **kwargs)
         tuned_before = registration.all_tuned
         untouched = not any(t.armed or t.decided for t in registration.targets.values())
-        snapshot = None
         if registration.gate_required and any(t.armed for t in registration.targets.values()):
-            snapshot = _Snapshot.take(args, kwargs)  # this call may tune reduced precision: the gate replays it
+            snapshot = _Snapshot.take(call, args, kwargs)  # this call may tune reduced precision: the gate replays it
+            if snapshot is not None:
+                state.gate_call = (call, snapshot)
         with Stopwatch() as watch:
             output = call(*args, **kwargs)
         seconds = watch.seconds
-        if snapshot is not None and registration.waiting_for_gate:
-            _gate(registration, call, snapshot)
+        if state.gate_call is not None and registration.waiting_for_gate:
+            _gate(registration, *state.gate_call)
         with state.lock:  # each count is seen by exactly one thread, so arming happens once
             state.calls += 1
             calls = state.calls
@@ -502,15 +507,19 @@ def _outside_call(state: _AITuneState, owner: str, target: str) -> None:
 
 @dataclass
 class _Snapshot:
-    """A whole call's inputs (deep copies: tensors, the user's generator) and torch's random state when it began: what
-    the end-to-end quality gate replays, eager and tuned, to compare the two."""
+    """A whole call's inputs, deep copies (tensors, the user's generator in its state at the call's start): what the
+    end-to-end quality gate replays, eager and tuned, to compare the two.
+
+    A call that takes a `generator` (a Diffusers pipeline) and was given none draws its noise from torch's default
+    generator; each replay is given a private one, seeded alike, instead: the eager and the tuned replay see the same
+    noise, and neither moves the default generator, which other calls draw from (in this thread, or in others while
+    this one gates)."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    rng: Any
 
     @classmethod
-    def take(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Snapshot | None:
+    def take(cls, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Snapshot | None:
         import torch
 
         try:
@@ -519,17 +528,22 @@ class _Snapshot:
         except Exception as error:  # an input deepcopy refuses: reduced precision then never serves (the fallback does)
             logger.warning("the end-to-end quality gate cannot copy this call (%s); reduced precision waits", error)
             return None
-        return cls(copied_args, copied_kwargs, torch.random.get_rng_state())
+        if copied_kwargs.get("generator") is None and _takes(call, "generator"):
+            copied_kwargs["generator"] = torch.Generator().manual_seed(0)
+        return cls(copied_args, copied_kwargs)
 
     def replay(self, call: Callable[..., Any]) -> Any:
-        import torch
-
-        from aitune_hf.core.rng import rng_preserved
-
         args, kwargs = copy.deepcopy((self.args, self.kwargs))
-        with rng_preserved():
-            torch.random.set_rng_state(self.rng)
-            return call(*args, **kwargs)
+        return call(*args, **kwargs)
+
+
+def _takes(call: Callable[..., Any], name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _gate(registration: Registration, call: Callable[..., Any], snapshot: _Snapshot) -> None:

@@ -35,7 +35,7 @@ def test_mapping_names_and_container_expansion() -> None:
     with register({"a": a, "stack": stack, "seq": seq, "b": b}, MANUAL) as reg:
         assert list(reg.modules) == ["a", "stack.0", "stack.1", "seq.0", "b"]
         assert reg.modules["stack.1"] is stack[1]
-        assert reg.state_counts == {"recording": 5}
+        assert reg.state_counts == {"idle": 5}  # recording, and never called yet
         assert not reg.all_tuned
 
 

@@ -66,7 +66,7 @@ def test_no_call_moves_the_random_stream_recording_tuning_or_serving() -> None:
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(after, expected_next), f"{phase} moved the random stream"
     assert registration.state_counts == {"eager": 1, "tuned": 1}, registration.report()
-    assert "draws from torch's random generators" in registration.targets["0"].reason
+    assert "the forward draws random numbers (aten::randn_like" in registration.targets["0"].reason
     registration.detach()
 
 

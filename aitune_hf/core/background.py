@@ -1,0 +1,107 @@
+"""Tuning in the background (`TuningConfig.background`): no call waits for a tuning.
+
+A target that would tune inside a call (armed, and no route for the call) is queued instead, and the call runs eager
+at once. One worker thread per registration tunes the queued targets, one at a time (and one tuning at a time in the
+process, as ever), from the calls they recorded; each target switches to its decision when it is made, while calls
+keep being served: eager, or by the routes already built. Calls of a target being tuned run eager.
+
+Only backends that build from a private copy of the module may tune in the background: an ONNX Runtime export traces
+a deep copy, while Inductor compiles (and Dynamo traces) the live module that other threads are calling. Those are
+left out, and the report says so.
+
+Timing under live traffic is noisy: serving threads share the cores with the timed rounds. The choice stays honest
+the same way as in the foreground: candidates are timed side by side with eager, round by round, and the paired
+ratios' median decides, with the sequential rule's confidence bounds (`core/timing.py`) setting how many rounds it
+takes; a candidate whose lead is within the noise is not chosen over eager (`min_speedup`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aitune_hf.core.target import Target
+
+logger = logging.getLogger(__name__)
+
+
+class BackgroundTuner:
+    """The queue of targets waiting to tune, and the worker thread that tunes them."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: collections.deque[Target] = collections.deque()
+        self._condition = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._running: Target | None = None
+        self._stopped = False
+        #: True while the running tuning tunes afresh (no decision from the cache or an identical sibling).
+        self.afresh = False
+        self.tuned = 0  # targets tuned here so far
+
+    def submit(self, target: Target) -> None:
+        """Queue `target` (once) and make sure the worker runs; returns at once."""
+        with self._condition:
+            if self._stopped or target is self._running or target in self._queue:
+                return
+            self._queue.append(target)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._work, name=f"aitune_hf tuning ({self._name})", daemon=True)
+                self._thread.start()
+            self._condition.notify_all()
+
+    @property
+    def pending(self) -> int:
+        """Targets queued or being tuned."""
+        with self._condition:
+            return len(self._queue) + (self._running is not None)
+
+    def status(self) -> dict[str, Any]:
+        with self._condition:
+            return {
+                "pending": len(self._queue) + (self._running is not None),
+                "tuning": self._running.name if self._running is not None else None,
+                "afresh": self.afresh,
+                "tuned": self.tuned,
+            }
+
+    def wait(self, timeout: float | None = None, until: Callable[[], bool] | None = None) -> bool:
+        """Wait until nothing is pending (True), `until()` holds, or `timeout` seconds pass (False)."""
+        with self._condition:
+            return (
+                self._condition.wait_for(
+                    lambda: (not self._queue and self._running is None) or (until is not None and until()), timeout
+                )
+                and not self._queue
+                and self._running is None
+            )
+
+    def stop(self) -> None:
+        """Forget what is queued; the worker ends after the tuning it runs (if any)."""
+        with self._condition:
+            self._stopped = True
+            self._queue.clear()
+            self._condition.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._condition:
+                self._condition.wait_for(lambda: self._queue or self._stopped, timeout=30.0)
+                if self._stopped or not self._queue:  # stopped, or idle a while: a later submit starts another
+                    self._thread = None
+                    return
+                target = self._running = self._queue.popleft()
+            try:
+                target.tune_in_background(self)
+            except BaseException:  # contained in the target already; never let the worker die silently
+                logger.exception("aitune_hf: background tuning of %s failed", target.name)
+            finally:
+                with self._condition:
+                    self._running = None
+                    self.afresh = False
+                    self.tuned += 1
+                    self._condition.notify_all()

@@ -1,0 +1,72 @@
+"""Tuning in the background (issue 20): no call waits for a tuning. Calls made while the worker tunes are served at
+once (eager, or by what is tuned already) and equal eager's output; each block switches to its decision when it is
+made; backends that compile the live module are left out, and the report says why."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from aitune_hf import TargetState, register
+from tests.core.modules import MLPBlock
+from tests.quick import QUICK
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(MLPBlock(64), torch.nn.GELU(), MLPBlock(64)).eval()
+
+
+def test_calls_are_served_while_the_worker_tunes_and_switch_over_when_it_is_done() -> None:
+    model = _model()
+    x = torch.randn(8, 64)
+    registration = register(
+        {"0": model[0], "2": model[2]},
+        {**QUICK, "backends": ["onnxruntime", "inductor"], "min_speedup": 0, "background": True},
+    )
+    with torch.no_grad(), registration.bypass():
+        expected = model(x)
+    with torch.no_grad():
+        model(x)  # records
+        registration.tune()
+        outputs, during = [], 0
+        deadline = time.monotonic() + 120
+        while not registration.all_tuned and time.monotonic() < deadline:  # calls never wait for the worker
+            outputs.append(model(x))
+            during += registration.background.pending > 0
+        served = model(x)
+    assert registration.all_tuned, registration.report()
+    assert during >= 1 and registration.background.status()["tuned"] == 2  # calls went on while it tuned
+    for out in [*outputs, served]:
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    for target in registration.targets.values():
+        assert target.state is TargetState.TUNED and target.calls_served.get("onnxruntime", 0) >= 1
+    first = registration.targets["0"].report().signatures[0]  # tuned in full ("2" shares its decision)
+    skipped = {c.backend: c.error for c in first.candidates if c.error}
+    assert "compiles the live module" in skipped.get("inductor", ""), first.candidates
+    registration.detach()
+    assert registration.background.pending == 0
+
+
+def test_a_call_of_the_target_being_tuned_runs_eager_at_once() -> None:
+    """While the worker holds a target (state TUNING), its calls run the original forward: no lock, no wait."""
+    model = _model()
+    x = torch.randn(8, 64)
+    registration = register({"0": model[0]}, {**QUICK, "backends": ["onnxruntime"], "background": True})
+    target = registration.targets["0"]
+    with torch.no_grad():
+        model[0](x)
+        registration.tune()
+        model[0](x)  # queued for the worker
+        seen_tuning = 0
+        deadline = time.monotonic() + 120
+        while registration.background.pending and time.monotonic() < deadline:
+            if target.state is TargetState.TUNING:
+                seen_tuning += 1
+                with registration.bypass():
+                    expected = model[0](x)
+                torch.testing.assert_close(model[0](x), expected, atol=1e-4, rtol=1e-4)  # served at once
+    assert seen_tuning >= 1 and registration.background.wait(timeout=60)
+    assert target.decided, registration.report()
+    registration.detach()
