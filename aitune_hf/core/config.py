@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 import numbers
 import os
@@ -201,16 +203,33 @@ class TuningConfig:
             config.validate()
             return config
         if isinstance(config, Mapping):
-            unknown = set(config) - set(cls.__dataclass_fields__)
-            if unknown:
-                raise ConfigError(
-                    f"unknown TuningConfig fields {', '.join(sorted(map(repr, unknown)))}; "
-                    f"valid: {', '.join(cls.__dataclass_fields__)}"
-                )
+            _check_names(config)
             return cls(**config)
         raise InputTypeError(
             f"config must be a TuningConfig, a dict of its fields or None, got {type(config).__name__}: {config!r:.80}"
         )
+
+
+_dataclass_init = TuningConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: TuningConfig, *args: Any, **fields: Any) -> None:
+    _check_names(fields)  # a misspelt field is a ConfigError naming the valid ones, not the dataclass' TypeError
+    _dataclass_init(self, *args, **fields)
+
+
+TuningConfig.__init__ = _init  # type: ignore[method-assign]
+
+
+def _check_names(fields: Mapping[str, Any]) -> None:
+    valid = list(TuningConfig.__dataclass_fields__)
+    unknown = sorted(set(fields) - set(valid))
+    if not unknown:
+        return
+    hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, valid, n=1)) else
+             repr(name) for name in unknown]  # fmt: skip
+    raise ConfigError(f"unknown TuningConfig field(s) {', '.join(hints)}; valid: {', '.join(valid)}")
 
 
 # -- field checks: each returns the normalised value or raises ConfigError naming field, value and what is valid --

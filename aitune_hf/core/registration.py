@@ -114,6 +114,7 @@ class Registration:
             candidates = [b for b in candidates if b.builds_privately]
         self._modules = dict(modules)
         self._detached = False
+        self._final_report: TuningReport | None = None
         self._local = threading.local()  # bypass() is per thread: other threads keep being served
         cache, unusable = open_cache(config)
         #: Why the cache asked for is not used (it could not be opened), or None.
@@ -372,7 +373,10 @@ class Registration:
         return figure
 
     def report(self) -> TuningReport:
-        """A TuningReport of every target, led by the end-to-end timings when the caller measured them."""
+        """A TuningReport of every target, led by the end-to-end timings when the caller measured them; after
+        `detach()`, the report as it stood then."""
+        if self._final_report is not None:
+            return self._final_report
         reports = self.reports
         return TuningReport(
             modules=reports,
@@ -388,6 +392,7 @@ class Registration:
         """Restore every forward exactly and release the modules. Safe to call twice."""
         if self._detached:
             return
+        self._final_report = self.report()  # what it did, readable after the routes and samples are gone
         for target in self._targets.values():
             target.uninstall()
             if _HELD.get(target.module) is target:

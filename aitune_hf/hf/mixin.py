@@ -83,9 +83,10 @@ class AITuneMixin:
 
     @property
     def aitune(self) -> Registration | None:
-        """The live Registration (per-block state and reports), or None before `enable_aitune()`."""
+        """The Registration (per-block state and reports): the live one, or after `disable_aitune()` the last one,
+        detached (`.detached`; its `report()` is the report as it stood then); None before `enable_aitune()`."""
         state = self.__dict__.get("_aitune_state")
-        return state.registration if state is not None else None
+        return state.registration if state is not None else self.__dict__.get(_LAST)
 
     def enable_aitune(
         self,
@@ -117,7 +118,7 @@ class AITuneMixin:
         from aitune_hf.errors import ConfigError, InputTypeError, UsageError
 
         # Every argument is checked before anything is registered or patched: a bad value leaves nothing behind.
-        if self.aitune is not None:
+        if self.__dict__.get("_aitune_state") is not None:
             raise UsageError("aitune is already enabled here; call disable_aitune() first to change its settings")
         if tune_after_calls is not None and (
             not isinstance(tune_after_calls, int) or isinstance(tune_after_calls, bool) or tune_after_calls < 1
@@ -174,15 +175,18 @@ class AITuneMixin:
             raise
         state = _AITuneState(registration, options, found, tune_after_calls, auto=auto)
         self.__dict__["_aitune_state"] = state
+        self.__dict__.pop(_LAST, None)
         registration.observe_calls(functools.partial(_outside_call, state, type(self).__name__))
         logger.info("aitune enabled on %s: %d target(s)", type(self).__name__, len(found))
         return registration
 
     def disable_aitune(self) -> None:
-        """Detach every target: each forward is restored exactly. Safe to call when not enabled."""
+        """Detach every target: each forward is restored exactly. Safe to call when not enabled. `self.aitune` stays
+        the (detached) Registration, for its report."""
         state = self.__dict__.pop("_aitune_state", None)
         if state is not None:
             state.registration.detach()
+            self.__dict__[_LAST] = state.registration
 
     def measure_aitune(self, *args: Any, rounds: int = 3, method: str = "__call__", **kwargs: Any) -> dict[str, Any]:
         """Time whole calls eager and tuned, interleaved for `rounds`, and record the medians in the report.
@@ -367,10 +371,10 @@ class AITuneMixin:
         if is_dynamic_class(func) or any(isinstance(arg, type) and is_dynamic_class(arg) for arg in args):
             raise UsageError(_COPY_HINT.format(what="a reduction that names the aitune subclass"))
         if isinstance(state, dict):
-            state = {key: value for key, value in state.items() if key != "_aitune_state"}
+            state = {key: value for key, value in state.items() if key not in _OWN}
         elif isinstance(state, tuple) and len(state) == 2 and all(isinstance(s, dict | None) for s in state):
-            state = tuple(s if s is None else {k: v for k, v in s.items() if k != "_aitune_state"} for s in state)
-        elif state is not None and "_aitune_state" in self.__dict__:
+            state = tuple(s if s is None else {k: v for k, v in s.items() if k not in _OWN} for s in state)
+        elif state is not None and _OWN & self.__dict__.keys():
             raise UsageError(_COPY_HINT.format(what=f"a state of type {type(state).__name__}"))
         return func, args, state, listitems, dictitems, setter
 
@@ -384,6 +388,10 @@ class AITuneMixin:
         options = dict(state.options)
         self.enable_aitune(options.pop("targets"), **options)
 
+
+#: Where the last Registration is kept after `disable_aitune()` (for its report), and what copies leave out.
+_LAST = "_aitune_last"
+_OWN = frozenset({"_aitune_state", _LAST})
 
 _COPY_HINT = (
     "aitune_hf cannot copy or pickle this object untuned ({what}): call disable_aitune() first, or copy and "

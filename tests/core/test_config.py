@@ -122,7 +122,10 @@ def test_messages_say_what_is_valid() -> None:
 
 
 def test_unknown_keys_and_wrong_config_types() -> None:
-    with pytest.raises(ConfigError, match=r"unknown TuningConfig fields 'backend', 'repeat'; valid: backends, "):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown TuningConfig field\(s\) 'backend' \(did you mean 'backends'\?\), 'repeat' \(did you mean 'repeats'\?\); valid: backends, ",
+    ):
         TuningConfig.coerce({"backend": ["inductor"], "repeat": 3})
     with pytest.raises(ConfigError, match="max_routes, shapes, retune"):
         TuningConfig.coerce({"retunes": False})
@@ -222,7 +225,7 @@ BAD_ENABLE = [
     ({"tolerances": {torch.float32: (-1.0, 0.0)}}, ConfigError, "TuningConfig.tolerances[torch.float32]"),
     ({"max_routes": 0}, ConfigError, "TuningConfig.max_routes"),
     ({"retune": "no"}, ConfigError, "TuningConfig.retune"),
-    ({"repeat": 3}, ConfigError, "unknown TuningConfig fields 'repeat'"),
+    ({"repeat": 3}, ConfigError, "unknown TuningConfig field(s) 'repeat' (did you mean 'repeats'?)"),
     ({"config": {"warmup": -1}}, ConfigError, "TuningConfig.warmup must be an int >= 0, got -1"),
     ({"config": 42}, InputTypeError, "config must be a TuningConfig"),
 ]
@@ -254,6 +257,7 @@ def test_enable_aitune_with_valid_values_then_twice() -> None:
     assert isinstance(caught.value, RuntimeError)
     assert model.aitune is registration
     model.disable_aitune()
-    assert model.aitune is None
+    assert model.aitune is registration and registration.detached  # kept for its report
+    assert str(model.aitune.report())  # readable after disable_aitune()
     for module in model.modules():
         assert "forward" not in module.__dict__

@@ -129,7 +129,7 @@ def test_family_blocks_tune_and_match_eager(name: str, family_folders) -> None:
                 assert target.calls_served.get("onnxruntime", 0) >= 1, f"{label}: {target.calls_served}"
     finally:
         model.disable_aitune()
-    assert model.aitune is None
+    assert model.aitune.detached
     restored = instance_forwards(model)
     assert restored == forwards, [n for n in forwards if restored[n] is not forwards[n]]
     after = call_family(name, model, family_inputs(name))

@@ -133,7 +133,7 @@ def assert_retunes(pipe, what: str, **extra) -> None:
 def finish(pipe) -> None:
     modules = [*pipe.unet.modules(), *pipe.vae.modules(), *pipe.text_encoder.modules()]
     pipe.disable_aitune()
-    assert pipe.aitune is None and unpatched(modules)
+    assert pipe.aitune.detached and unpatched(modules)
 
 
 def lora_layers(pipe) -> list[torch.nn.Module]:
