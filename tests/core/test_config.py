@@ -124,7 +124,8 @@ def test_messages_say_what_is_valid() -> None:
 def test_unknown_keys_and_wrong_config_types() -> None:
     with pytest.raises(
         ConfigError,
-        match=r"unknown TuningConfig field\(s\) 'backend' \(did you mean 'backends'\?\), 'repeat' \(did you mean 'repeats'\?\); valid: backends, ",
+        match=r"unknown TuningConfig field\(s\) 'backend' \(did you mean 'backends'\?\), "
+        r"'repeat' \(did you mean 'repeats'\?\); valid: backends, ",
     ):
         TuningConfig.coerce({"backend": ["inductor"], "repeat": 3})
     with pytest.raises(ConfigError, match="max_routes, shapes, retune"):
