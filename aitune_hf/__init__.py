@@ -2,7 +2,10 @@
 
 import logging
 
-from aitune_hf import backends
+from aitune_hf import (
+    backends,
+    plotting,  # noqa: F401  (registers TuningReport.plot's drawing; matplotlib loads lazily)
+)
 from aitune_hf.core import (
     FirstWins,
     MinLatency,

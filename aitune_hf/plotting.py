@@ -21,11 +21,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from aitune_hf.core.report import register_plotter
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from aitune_hf.core.report import ModuleReport, TuningReport
+    from aitune_hf.core.report import ModuleReport, SignatureReport, TuningReport
 
 __all__ = ["plot_report"]
 
@@ -134,6 +136,14 @@ def _is_axes(obj: Any) -> bool:
 def _rows(report: TuningReport) -> tuple[list[_Row], int]:
     rows, skipped = [], 0
     for module in report.modules.values():
+        if len(module.signatures) > 1:  # one pair of bars per input signature: each has its own story
+            for signature in module.signatures:
+                row = _signature_row(module.name, signature)
+                if row is None:
+                    skipped += 1
+                else:
+                    rows.append(row)
+            continue
         eager, tuned = module.eager_latency_s, module.tuned_latency_s
         if eager is None or tuned is None or not (math.isfinite(eager) and math.isfinite(tuned)):
             skipped += 1
@@ -152,14 +162,34 @@ def _rows(report: TuningReport) -> tuple[list[_Row], int]:
     return rows, skipped
 
 
+def _signature_row(name: str, signature: SignatureReport) -> _Row | None:
+    eager, tuned = signature.eager_latency_s, signature.chosen_latency_s
+    if eager is None or tuned is None or not (math.isfinite(eager) and math.isfinite(tuned)):
+        return None
+    shape = signature.signature.split(", ")[0].split(" | ")[0]  # the leading tensor: batch and length, resolution
+    state = "tuned" if signature.chosen != "eager" else "eager"
+    return _Row(
+        name=f"{name} · {shape}",
+        state=state,
+        backend=signature.chosen,
+        eager_ms=eager * 1e3,
+        tuned_ms=tuned * 1e3,
+        speedup=signature.speedup,
+        note=_text(state, signature.speedup, signature.chosen, signature.reason),
+    )
+
+
 def _note(module: ModuleReport) -> str:
     """The annotation after a target's bars: speed-up and backend, or that eager was kept."""
-    speedup = f"{module.speedup:.2f}x" if module.speedup is not None else "-"
-    state = str(module.state)
+    return _text(str(module.state), module.speedup, module.backend, module.reason)
+
+
+def _text(state: str, ratio: float | None, backend: str, why: str | None) -> str:
+    speedup = f"{ratio:.2f}x" if ratio is not None else "-"
     if state == "tuned":
-        return f"{speedup}  {module.backend}"
+        return f"{speedup}  {backend}"
     if state == "eager":
-        reason = (module.reason or "").split(";")[0].strip()
+        reason = (why or "").split(";")[0].strip()
         if len(reason) > 48:
             reason = reason[:47] + "…"
         return f"EAGER kept: {reason}" if reason else "EAGER kept"
@@ -281,3 +311,6 @@ def _default_title(report: TuningReport) -> str:
         counts[str(module.state)] = counts.get(str(module.state), 0) + 1
     states = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
     return f"aitune_hf: {len(report.modules)} targets ({states}); tuning {report.tuning_seconds:.1f} s"
+
+
+register_plotter(plot_report)

@@ -19,14 +19,16 @@ from tests.core.modules import ManyOpsBlock, MLPBlock
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _signature(eager: float | None, chosen: str = "eager", tuned: float | None = None, **extra: object) -> dict:
+def _signature(eager: float | None, chosen: str = "eager", tuned: float | None = None, signature: str = "x: f32[2, 8]",
+               **extra: object) -> dict:  # fmt: skip
     candidates = [] if tuned is None else [{"backend": "onnxruntime", "latency_s": tuned, "max_abs_error": 1e-6}]
-    return {"signature": "x: f32[2, 8]", "samples": 1, "chosen": chosen, "eager_latency_s": eager,
+    return {"signature": signature, "samples": 1, "chosen": chosen, "eager_latency_s": eager,
             "candidates": candidates, **extra}  # fmt: skip
 
 
 def _report_dict(end_to_end: bool = True) -> dict:
-    """Four targets: tuned (2x), eager kept, still recording (no timings), tuned over two signatures."""
+    """Four targets: tuned (2x), eager kept, still recording (no timings), one tuned for batch 1 and eager for batch
+    32 (as a sentence-transformers encoder layer ends up under mixed traffic)."""
     return {
         "end_to_end": {"eager_s": 0.9, "tuned_s": 0.6, "speedup": 1.5, "method": "interleaved whole calls, 3 rounds"}
         if end_to_end
@@ -42,7 +44,9 @@ def _report_dict(end_to_end: bool = True) -> dict:
                                  "signatures": []},
             "text_encoder.encoder.layers.0": {
                 "name": "text_encoder.encoder.layers.0", "module_class": "CLIPEncoderLayer", "state": "tuned",
-                "signatures": [_signature(0.0001, "onnxruntime", 5e-5), _signature(0.00015, "onnxruntime", 5e-5)]},
+                "signatures": [_signature(0.0001, "onnxruntime", 5e-5, "float32[1x7x32]@cpu, float32[1x1x1x7]@cpu"),
+                               _signature(0.0015, "eager", 0.00145, "float32[32x7x32]@cpu, float32[32x1x1x7]@cpu",
+                                          reason="nothing was faster: best onnxruntime at 1.03x (needs 1.05x)")]},
         },
     }  # fmt: skip
 
@@ -61,18 +65,24 @@ def test_hand_made_report_draws_one_bar_pair_per_timed_target(tmp_path) -> None:
     assert isinstance(fig, Figure) and len(fig.axes) == 2
     targets_ax, e2e_ax = fig.axes
 
-    timed = ["unet.down_blocks.0", "unet.mid_block", "text_encoder.encoder.layers.0"]  # recording one skipped
+    layer = "text_encoder.encoder.layers.0"  # a bar pair per input signature: each has its own story
+    timed = [
+        "unet.down_blocks.0",
+        "unet.mid_block",
+        f"{layer} · float32[1x7x32]@cpu",
+        f"{layer} · float32[32x7x32]@cpu",
+    ]
     bars = _bars(targets_ax)
     assert set(bars) == {"eager", "tuned"}
     assert len(bars["eager"]) == len(bars["tuned"]) == len(timed)
     assert [label.get_text() for label in targets_ax.get_yticklabels()] == timed
     eager_ms = [bar.get_width() for bar in bars["eager"]]
     tuned_ms = [bar.get_width() for bar in bars["tuned"]]
-    assert eager_ms == pytest.approx([4.0, 3.0, 0.25]) and tuned_ms == pytest.approx([2.0, 3.0, 0.1])  # eager kept: 3.0
+    assert eager_ms == pytest.approx([4.0, 3.0, 0.1, 1.5]) and tuned_ms == pytest.approx([2.0, 3.0, 0.05, 1.5])
 
     notes = _texts(targets_ax)
-    assert "2.00x  onnxruntime" in notes and "2.50x  onnxruntime" in notes
-    assert any(n.startswith("EAGER kept: nothing was faster") for n in notes), notes
+    assert notes.count("2.00x  onnxruntime") == 2
+    assert notes[3].startswith("EAGER kept: nothing was faster: best onnxruntime at 1.03x"), notes
     assert "1 target(s) without timings not shown" in targets_ax.get_xlabel()
     assert "block latency" in targets_ax.get_xlabel()
     assert [t.get_text() for t in targets_ax.get_legend().get_texts()][-1] == "EAGER kept"
@@ -108,7 +118,7 @@ def test_descended_targets_are_named() -> None:
                                          "reason": "nothing was faster", "signatures": []}}  # fmt: skip
     fig = TuningReport.from_dict(data).plot()
     assert "descended into the blocks of: vae.decoder" in fig.axes[0].get_xlabel()
-    assert len(_bars(fig.axes[0])["eager"]) == 3
+    assert len(_bars(fig.axes[0])["eager"]) == 4
 
 
 def test_log_scale_when_latencies_span_decades() -> None:
@@ -122,17 +132,39 @@ def test_draws_into_given_axes() -> None:
     pair = fig.subplots(1, 2)
     report = TuningReport.from_dict(_report_dict())
     assert report.plot(ax=pair) is fig
-    assert len(_bars(pair[0])["tuned"]) == 3 and len(_bars(pair[1])["end to end"]) == 2
+    assert len(_bars(pair[0])["tuned"]) == 4 and len(_bars(pair[1])["end to end"]) == 2
 
     single = Figure().subplots()
     assert report.plot(ax=single) is single.figure
-    assert len(_bars(single)["eager"]) == 3 and len(single.figure.axes) == 1
+    assert len(_bars(single)["eager"]) == 4 and len(single.figure.axes) == 1
     assert fig.get_suptitle() == single.figure.get_suptitle() == ""  # the caller's figures keep their titles
     report.plot(ax=pair, title="mine")
     assert fig.get_suptitle() == "mine"
 
     with pytest.raises(TypeError, match="pair"):
         report.plot(ax=[single])
+
+
+def test_table_and_html_tell_each_signature_apart(tmp_path) -> None:
+    """A target tuned for one batch size and eager for another shows both, the eager one with its reason: in the
+    table, the HTML (which embeds the figure) and the plot (above)."""
+    report = TuningReport.from_dict(_report_dict())
+    text = str(report)
+    layer_row = next(line for line in text.splitlines() if line.startswith("text_encoder.encoder.layers.0"))
+    assert "eager+onnxruntime" in layer_row
+    below = text.splitlines()[text.splitlines().index(layer_row) + 1 :][:2]
+    assert below[0].startswith("  · float32[1x7x32]@cpu") and "tuned" in below[0] and "2.00x" in below[0]
+    assert below[1].startswith("  · float32[32x7x32]@cpu") and "eager" in below[1]
+    assert below[1].endswith("nothing was faster: best onnxruntime at 1.03x (needs 1.05x)")
+    assert not any(line.startswith("  · x: f32") for line in text.splitlines())  # one signature: no sub-rows
+
+    page = report.to_html(tmp_path / "report.html")
+    assert page.count("<img alt='eager vs tuned latency per target' src='data:image/png;base64,") == 1
+    assert "nothing was faster: best onnxruntime at 1.03x (needs 1.05x)" in page
+    assert "float32[32x7x32]@cpu" in page
+    assert (tmp_path / "report.html").read_text().startswith("<!doctype html>")
+    assert report._repr_html_() == report.to_html()
+    assert "<img" not in report.to_html(figure=False)
 
 
 def test_no_timings_yet() -> None:

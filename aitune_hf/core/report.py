@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import base64
 import html
+import io
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+#: Draws a TuningReport as a matplotlib Figure: registered by `aitune_hf.plotting` when it is imported (the package
+#: imports it), so that the report, which only holds data, never imports the plotting layer above it.
+_PLOTTER: Callable[..., Any] | None = None
+
+
+def register_plotter(plotter: Callable[..., Any]) -> None:
+    """Set the function `TuningReport.plot()` and the HTML report draw with (`aitune_hf.plotting.plot_report`)."""
+    global _PLOTTER
+    _PLOTTER = plotter
 
 
 @dataclass
@@ -228,6 +241,36 @@ class TuningReport:
                     note,
                 ]
             )
+            rows.extend(self.signature_rows(report))
+        return rows
+
+    @staticmethod
+    def signature_rows(report: ModuleReport) -> list[list[str]]:
+        """Where a target met several input signatures (shape families: batch sizes, resolutions), one row each under
+        the target's: what each one serves and, when it kept eager, why. Empty for a target with one signature."""
+        if len(report.signatures) < 2:
+            return []
+        rows = []
+        for signature in report.signatures:
+            tuned = signature.chosen != "eager"
+            note = "" if tuned else (signature.reason or "not tuned yet")
+            if signature.demoted:
+                note = f"{note}; " if note else ""
+                note += f"sent back to fp32: {signature.demoted}"
+            rows.append(
+                [
+                    f"  · {_clip(signature.signature, 56)}",
+                    "",
+                    "tuned" if tuned else "eager",
+                    signature.chosen,
+                    signature.precision,
+                    _ms(signature.eager_latency_s),
+                    _ms(signature.chosen_latency_s),
+                    _x(signature.speedup),
+                    _err(next((c.max_abs_error for c in signature.candidates if c.backend == signature.chosen), None)),
+                    note,
+                ]
+            )
         return rows
 
     def summary_lines(self) -> list[str]:
@@ -325,12 +368,36 @@ class TuningReport:
         return str(self)
 
     def _repr_html_(self) -> str:
+        return self.to_html()
+
+    def to_html(self, path: str | Path | None = None, *, figure: bool = True) -> str:
+        """The report as HTML: summary, the figure of `plot()` embedded as a PNG (when `figure` and matplotlib is
+        installed; otherwise a line says why it is missing), and the table with a row per input signature where a
+        target met several. Written as a standalone page to `path` when given."""
         head = "".join(f"<th>{html.escape(c)}</th>" for c in self.COLUMNS)
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self.rows()
+            ("<tr style='color:#555'>" if row[0].startswith("  ") else "<tr>")
+            + "".join(f"<td>{html.escape(cell)}</td>" for cell in row)
+            + "</tr>"
+            for row in self.rows()
         )
         summary = "".join(f"<p><b>{html.escape(line)}</b></p>" for line in self.summary_lines())
-        return f"<div>{summary}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+        picture = self._figure_html() if figure else ""
+        text = f"<div>{summary}{picture}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+        if path is not None:
+            Path(path).write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>aitune_hf report</title>"
+                                  f"</head><body>{text}</body></html>")  # fmt: skip
+        return text
+
+    def _figure_html(self) -> str:
+        try:
+            fig = self.plot()
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format="png", dpi=80)  # Agg renders it: no display, no backend switch
+        except ImportError as error:  # matplotlib is an extra
+            return f"<p><i>{html.escape(str(error))}</i></p>"
+        data = base64.b64encode(buffer.getvalue()).decode("ascii")
+        return f"<img alt='eager vs tuned latency per target' src='data:image/png;base64,{data}'/>"
 
     def to_dict(self) -> dict[str, Any]:
         payback = self.payback()
@@ -382,9 +449,9 @@ class TuningReport:
         `ax`: None (a new Figure), a pair of Axes (per-target, end-to-end) or one Axes (per-target only);
         `title`, `figsize`, `log_scale` as in `aitune_hf.plotting.plot_report`.
         """
-        from aitune_hf.plotting import plot_report  # imports matplotlib lazily
-
-        return plot_report(self, ax, **kwargs)
+        if _PLOTTER is None:  # importing aitune_hf (as any import of aitune_hf.core does) registers it
+            raise ImportError("no plotter is registered: import aitune_hf.plotting")
+        return _PLOTTER(self, ax, **kwargs)
 
     def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
         """The report as JSON (non-finite numbers become null); written to `path` when given."""
@@ -432,6 +499,10 @@ def _sum_or_none(values: Any) -> float | None:
     if not values or any(v is None for v in values):
         return None
     return sum(values)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _ms(seconds: float | None) -> str:
