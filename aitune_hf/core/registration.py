@@ -286,14 +286,15 @@ class Registration:
     def detached(self) -> bool:
         return self._detached
 
-    def tune(self) -> Registration:
-        """Arm tuning: each target tunes at its next forward call, inside the caller's own flow."""
+    def tune(self, why: str = "tune() was called") -> Registration:
+        """Arm tuning: each target tunes at its next forward call, inside the caller's own flow. `why` is what the
+        INFO log says when a target's tuning starts."""
         if self._detached:
             raise UsageError(
                 "tune() after detach(): this registration no longer holds its modules; register them again"
             )
         for target in self._targets.values():
-            target.arm()
+            target.arm(why)
         return self
 
     def observe_calls(self, observer: Callable[[str], None] | None) -> None:

@@ -179,6 +179,7 @@ class Target:
         self._state = TargetState.RECORDING
         self._reason: str | None = None
         self._pinned: str | None = None  # why this target cannot be tuned where it stands (set once)
+        self._why = "tune() was called"  # why it was armed last, logged when its tuning starts
         self._no_evidence: str | None = None  # why the last tuning found no sample to check against
         self._restrictions: list[tuple[Callable[[Backend], bool], str]] = []
         #: Recorded calls not yet tuned, by signature.
@@ -290,10 +291,10 @@ class Target:
         return self._slot.description if self._slot else "-"
 
     # -- control ------------------------------------------------------------------------------------
-    def arm(self) -> None:
+    def arm(self, why: str = "tune() was called") -> None:
         """Tune at the next forward call that no route can serve, in the module state of that call: recorded
         signatures without a route, and states that changed since a route was built. A decided target with
-        nothing recorded has nothing to tune and stays as it is."""
+        nothing recorded has nothing to tune and stays as it is. `why` is logged when the tuning starts."""
         with self._lock:
             if self._state is TargetState.DETACHED:
                 raise UsageError(f"target {self.name!r} is detached; register it again to tune it")
@@ -301,6 +302,7 @@ class Target:
                 return
             if self.decided and not any(self.samples.values()):
                 return
+            self._why = why
             self._move(TargetState.ARMED, self._reason)
 
     def pin_eager(self, reason: str) -> None:
@@ -510,6 +512,7 @@ class Target:
             self._demoted = note
             if not any(reason == _DEMOTED for _, reason in self._restrictions):
                 self.restrict(lambda backend: backend.precision == "fp32", _DEMOTED)
+            self._why = f"the end-to-end quality gate sent it back to fp32 ({note})"
             self._move(TargetState.ARMED, self._reason)
 
     def _count(self, backend: str) -> None:
@@ -529,6 +532,7 @@ class Target:
         if self._route_count() >= limit:
             return
         if self._context.config.retune and self._state in (TargetState.TUNED, TargetState.EAGER):
+            self._why = f"re-tuning after a change: {change}"
             self._move(TargetState.ARMED, self._reason)
 
     def _accepts_samples(self, signature: InputSignature) -> bool:
@@ -556,6 +560,7 @@ class Target:
         except Exception:  # recording must never break the user's call
             logger.warning("%s: could not record a call; it is not used for tuning", self.name, exc_info=True)
         if config.after_calls and self._state is TargetState.RECORDING and self.calls_recorded >= config.after_calls:
+            self._why = f"{self.calls_recorded} calls recorded (trigger after_calls={config.after_calls})"
             self._move(TargetState.ARMED)
 
     def _evict(self, budget: int) -> None:
@@ -588,6 +593,8 @@ class Target:
             return
         self._move(TargetState.TUNING)
         self._context.progress.started(self.name)
+        # Tuning runs inside the caller's call, which it makes slower: say so where logging is on (INFO).
+        logger.info("%s: tuning %d input signature(s) now, in this call: %s", self.name, len(pending), self._why)
         interrupted = None
         try:
             with Stopwatch() as watch:
@@ -597,6 +604,7 @@ class Target:
                         del self.samples[signature]  # released once decided; kept if interrupted
                         self._recorded_by_signature.pop(signature, None)
             self.tuning_seconds += watch.seconds
+            logger.info("%s: tuning took %.1f s", self.name, watch.seconds)
         except BaseException:  # KeyboardInterrupt / SystemExit: _decide contains everything else
             interrupted = "tuning was interrupted; call tune() to try again"
             raise
@@ -713,7 +721,7 @@ class Target:
                 stats = entry.cache.stats
                 stats.hits += decision.report.from_cache is not None  # its own, or its sibling's, from the cache
                 stats.misses += new
-                entry.store(decision, signatures, new_decision=new)
+                entry.store(decision, signatures, new_decision=new, owner=shared[1] if shared else None)
         if key is not None and (shared is None or new):
             context.decisions[key] = (self.name, decision)
         return decision
@@ -787,6 +795,9 @@ class Target:
             with build_context(sibling=True):
                 fallback_result, fallback_built = job.try_backend(decision.fallback[0])
             if fallback_built is not None:
+                figures = next((c for c in decision.report.candidates if c.backend == fallback_result.backend), None)
+                if figures is not None:  # the owner's timings, as for the winner (a cached copy falls back by them)
+                    fallback_result.latency_s, fallback_result.speedup = figures.latency_s, figures.speedup
                 fallback = (decision.fallback[0], fallback_result, fallback_built)
         return job.choose(decision.backend, result, built, fallback)
 

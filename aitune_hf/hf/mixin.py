@@ -265,8 +265,14 @@ class AITuneMixin:
                 _record_end_to_end(state, state.eager_seconds, state.tuned_seconds, method)
         if state.auto and state.rearm_at is None and registration.all_tuned:
             self._aitune_descend(state)
-        if calls in (state.tune_after_calls, state.rearm_at) or _new_shapes_waiting(state):
-            registration.tune()
+        if calls in (state.tune_after_calls, state.rearm_at):
+            first = calls == state.tune_after_calls
+            registration.tune(
+                f"whole call {calls} of {type(self).__name__} done "
+                + (f"(tune_after_calls={calls})" if first else "(re-armed to tune what changed)")
+            )
+        elif _new_shapes_waiting(state):
+            registration.tune(f"new input shapes recorded in whole call {calls} of {type(self).__name__}")
         return output
 
     def _aitune_descend(self, state: _AITuneState) -> None:
@@ -492,7 +498,7 @@ def _outside_call(state: _AITuneState, owner: str, target: str) -> None:
         state.outside_calls += 1
         count = state.outside_calls
     if count > (state.tune_after_calls or 0) + 1 and _new_shapes_waiting(state):
-        registration.tune()
+        registration.tune(f"new input shapes recorded in call {count} of {target}")
     elif state.tune_after_calls is None:
         if count == _MANUAL_WARNING_CALLS:
             registration.observe_calls(None)
@@ -510,7 +516,7 @@ def _outside_call(state: _AITuneState, owner: str, target: str) -> None:
             count,
             target,
         )
-        registration.tune()
+        registration.tune(f"call {count} of {target} (tune_after_calls={state.tune_after_calls})")
 
 
 @dataclass

@@ -176,9 +176,10 @@ def test_unavailable_candidates_are_reported() -> None:
     reg.detach()
 
 
-def test_after_calls_trigger_tunes_without_tune() -> None:
+def test_after_calls_trigger_tunes_without_tune(caplog: pytest.LogCaptureFixture) -> None:
     block = ManyOpsBlock().eval()
     x = torch.randn(1, 16)
+    caplog.set_level("INFO", logger="aitune_hf")
     with (
         register({"block": block}, _config(backends=["onnxruntime"], trigger="after_calls=2", min_speedup=0)) as reg,
         torch.no_grad(),
@@ -190,6 +191,10 @@ def test_after_calls_trigger_tunes_without_tune() -> None:
         assert target.armed
         block(x)
         assert target.state is TargetState.TUNED
+    # A tuning slows the call it lands in: INFO says which target, why now, and how long it took.
+    messages = [record.getMessage() for record in caplog.records if record.name.startswith("aitune_hf")]
+    assert "block: tuning 1 input signature(s) now, in this call: 2 calls recorded (trigger after_calls=2)" in messages
+    assert any(m.startswith("block: tuning took ") and m.endswith(" s") for m in messages), messages
 
 
 def test_exact_shapes_a_new_signature_after_tuning_runs_eager_and_is_covered_by_the_next_tune() -> None:
