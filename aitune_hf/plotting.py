@@ -274,7 +274,8 @@ def _draw_end_to_end(ax: Axes, end_to_end: dict[str, Any] | None) -> None:
         ax.text(
             0.5,
             0.5,
-            "end to end:\nnot measured\n\n(whole calls are timed by\npipe.measure_aitune(...))",
+            "end to end:\nnot measured\n\n(obj.measure_aitune(<args of a\ntypical call>) times the call\n"
+            "used last: __call__, encode(),\ngenerate() or decode())",
             ha="center",
             va="center",
             fontsize=10,

@@ -307,7 +307,8 @@ class TuningReport:
             lines.insert(
                 0,
                 f"end to end: eager {_ms(e2e.get('eager_s'))} ms -> tuned {_ms(e2e.get('tuned_s'))} ms "
-                f"= {_x(e2e.get('speedup'))} (measured)" + (f"; quality: {quality}" if quality else ""),
+                f"= {_x(e2e.get('speedup'))} (measured{_spread(e2e.get('speedup_range'))})"
+                + (f"; quality: {quality}" if quality else ""),
             )
         elif quality:
             lines.insert(0, f"quality: {quality}")
@@ -499,6 +500,13 @@ def _sum_or_none(values: Any) -> float | None:
     if not values or any(v is None for v in values):
         return None
     return sum(values)
+
+
+def _spread(bounds: Any) -> str:
+    """ ", rounds 1.25x..1.35x": the per-round speed-ups of an interleaved measurement, when it has them."""
+    if not isinstance(bounds, list | tuple) or len(bounds) != 2 or not all(isinstance(b, int | float) for b in bounds):
+        return ""
+    return f", rounds {_x(bounds[0])}..{_x(bounds[1])}"
 
 
 def _clip(text: str, width: int) -> str:

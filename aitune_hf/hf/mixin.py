@@ -62,6 +62,9 @@ class _AITuneState:
     #: gate replays once reduced-precision decisions wait for it (at the end of that call, or of a later one when
     #: they were tuned in the background).
     gate_call: tuple[Callable[..., Any], Any] | None = None
+    #: The boundary the latest whole call came through ("__call__", "encode", "generate", "decode"): what
+    #: `measure_aitune()` times by default (a SentenceTransformer is used through encode(), not __call__).
+    last_method: str = "__call__"
 
     @property
     def in_whole_call(self) -> bool:
@@ -188,21 +191,26 @@ class AITuneMixin:
             state.registration.detach()
             self.__dict__[_LAST] = state.registration
 
-    def measure_aitune(self, *args: Any, rounds: int = 3, method: str = "__call__", **kwargs: Any) -> dict[str, Any]:
+    def measure_aitune(self, *args: Any, rounds: int = 5, method: str | None = None, **kwargs: Any) -> dict[str, Any]:
         """Time whole calls eager and tuned, interleaved for `rounds`, and record the medians in the report.
 
-        Call it once tuning is done (`self.aitune.all_tuned`); each round makes one eager and one tuned call of
-        `method`: "__call__" (default), or the whole call this object is used through ("generate" for a
-        generative model, "decode" / "encode" for a VAE).
+        Call it once tuning is done (`self.aitune.all_tuned`) with the arguments of a typical call; each round makes
+        one eager and one tuned call of `method`: by default the one this object was last called through (its
+        `__call__`, or `encode()` for a SentenceTransformer or a VAE, `generate()` for a generative model, `decode()`).
+        The result holds the medians, the speed-up, and its spread over the rounds (`speedup_range`, each round's
+        eager / tuned): rounds whose ratios differ widely mean a noisy machine; measure again with more rounds.
         """
         from aitune_hf.errors import UserInputError
 
+        state = self._aitune_state_or_raise()
         valid = ("__call__", *(name for name in BOUNDARY_METHODS if callable(getattr(self, name, None))))
+        method = state.last_method if method is None else method
         if method not in valid:
             raise UserInputError(f"measure_aitune method must be one of {', '.join(valid)}, got {method!r}")
-        state = self._aitune_state_or_raise()
+        if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+            raise UserInputError(f"measure_aitune rounds must be an int >= 1, got {rounds!r}")
         if not state.registration.all_tuned:
-            raise RuntimeError(
+            raise UsageError(
                 "measure_aitune() compares eager with tuned calls: call the pipeline until "
                 f"aitune.all_tuned is True first (states now: {state.registration.state_counts})"
             )
@@ -218,7 +226,11 @@ class AITuneMixin:
                 tuned.append(watch.seconds)
         state.measured = True
         what = "whole calls" if method == "__call__" else f"{method}() calls"
-        return _record_end_to_end(state, eager, tuned, f"interleaved {what}, {rounds} rounds, medians")
+        ratios = [e / t for e, t in zip(eager, tuned, strict=True) if t > 0]
+        result = _record_end_to_end(state, eager, tuned, f"interleaved {what}, {rounds} rounds, medians")
+        if ratios:
+            result["speedup_range"] = [min(ratios), max(ratios)]
+        return result
 
     # -- call boundaries (the dynamic subclass routes __call__ here) --------------------------------------
     def _aitune_call(self, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -234,6 +246,8 @@ class AITuneMixin:
         self, state: _AITuneState, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         registration = state.registration
+        name = getattr(call, "__name__", "__call__")
+        state.last_method = name if name in BOUNDARY_METHODS else "__call__"
         if self._aitune_needs_eager(kwargs):
             with registration.bypass():
                 return call(*args, **kwargs)

@@ -77,6 +77,19 @@ def test_sentence_transformer_enabled_on_the_wrapper_serves_other_batches_and_le
     model.encode(texts, batch_size=8)
     assert _served(registration).get("eager", 0) == before.get("eager", 0)  # every call served now
     assert min(_cosine(a, b) for a, b in zip(again, eager_queries, strict=True)) >= 0.99999
+
+    # measure_aitune times what the model is used through (encode(), its last whole call), with the rounds' spread.
+    figure = model.measure_aitune(texts[:16], batch_size=8, rounds=2)
+    assert figure["method"] == "interleaved encode() calls, 2 rounds, medians"
+    low, high = figure["speedup_range"]
+    assert 0 < low <= figure["speedup"] <= high
+    text = str(registration.report())
+    assert f"(measured, rounds {low:.2f}x..{high:.2f}x)" in text
+    # Each layer serves two shape families: the table has a row for each under the layer's row.
+    layer = text.splitlines().index(
+        next(line for line in text.splitlines() if line.startswith("0.model.encoder.layer.0"))
+    )
+    assert [line.startswith("  · ") for line in text.splitlines()[layer + 1 : layer + 4]] == [True, True, False]
     model.disable_aitune()
 
 
