@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -37,6 +38,13 @@ from aitune_hf.backends.base import (
 from aitune_hf.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+# torch.onnx.export deep-copies the program's tree specs (`ExportedProgram.run_decompositions`), and copying a
+# `LeafSpec` warns that the class is deprecated: once per exported block, from torch's own code, nothing a user can
+# act on, breaking the progress bar. Ignored by exact message, once at import (tuning itself changes no filter), and
+# appended: a filter of the user's (`-W error`, `simplefilter`) still comes first.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+                        append=True)  # fmt: skip
 _INSTALL_HINT = "pip install 'aitune-hf[onnx]'"
 _WEIGHT_MODES = ("baked", "live")
 _ARENAS = ("shared", "session", "off")

@@ -5,9 +5,11 @@ quieted for the building thread only. tests/conftest.py checks the same state ar
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,6 +128,28 @@ def test_a_failing_build_leaves_the_process_unchanged(
     # The exporter loggers are not left quiet for this thread.
     logging.getLogger("onnxscript").warning("after the failed build")
     assert "after the failed build" in caplog.messages
+
+
+def test_an_export_prints_no_torch_deprecation_of_its_own() -> None:
+    """torch.onnx.export copies LeafSpecs, which warn once per block (13 times in the demo, through the progress bar):
+    a filter set at import hides exactly that message; a build adds no filter; other FutureWarnings still show. In a
+    fresh interpreter, as a user's script runs (pytest's own warning capture would hide what a user sees)."""
+    code = (
+        "import warnings, torch\n"
+        "from aitune_hf.backends import onnxruntime as ort_backend\n"
+        "from tests.backends.test_onnxruntime import MLP\n"
+        "module = MLP().eval()\n"
+        "before = list(warnings.filters)\n"
+        "with torch.no_grad():\n"
+        "    ort_backend.OnnxRuntimeBackend().build(module, module.forward, [((torch.randn(2, 8),), {})])\n"
+        "assert warnings.filters == before\n"
+        "warnings.warn('something else is deprecated', FutureWarning, stacklevel=1)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "LeafSpec" not in result.stderr, result.stderr[-2000:]
+    assert "something else is deprecated" in result.stderr
 
 
 def test_exporter_records_are_dropped_for_the_exporting_thread_only(caplog: pytest.LogCaptureFixture) -> None:
