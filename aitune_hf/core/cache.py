@@ -156,6 +156,8 @@ class Entry:
         if self.negative:
             expired = " (expired: tuned again at next use)" if _expired(self.record) else ""
             chosen = f"eager, negative until {self.record.get('expires')}{expired}: {report.get('reason')}"
+        elif report.get("shared_from"):
+            chosen = f"{chosen} (decision shared with {report['shared_from']})"
         text = (
             f"{self.key}  {fields.get('module', '?')}  [{report.get('signature', '?')}]  -> {chosen}"
             f"  ({len(self.artifacts)} artifact(s), {self.size_bytes / 2**20:.1f} MiB)"
@@ -626,8 +628,15 @@ class Consultation:
     record: dict[str, Any] | None
     place: _EntryPlace
 
-    def store(self, decision: Any, signatures: Sequence[InputSignature], new_decision: bool) -> None:
-        """Write `decision` (when `new_decision`) and the artifact its build wrote (when it built one)."""
+    def store(self, decision: Any, signatures: Sequence[InputSignature], new_decision: bool, owner: Any = None) -> None:
+        """Write `decision` (when `new_decision`) and the artifact its build wrote (when it built one).
+
+        `owner`: the identical sibling's decision that `decision` reuses (`Target._reuse`), else None. Siblings
+        that differ only in plain values (a layer index) have keys of their own, and the artifact this sibling
+        built (its own weights) goes under its key; so does the shared decision, where this entry holds no positive
+        one, so that the entry is whole (`aitune-hf cache verify`) and a later process that meets this module first,
+        or alone, reuses it from its own entry. A shared eager decision writes nothing: this module was not tuned,
+        and a negative entry is only ever the record of a tuning that found nothing better."""
         cache = self.cache
         if cache.read_only:
             return
@@ -637,8 +646,14 @@ class Consultation:
             if staged and built.artifacts[0].parent == self.place.staging:
                 name = self.place.name(decision.backend, built.bakes_weights)
                 cache.write_artifact(self.key, name, built.artifacts[0])
-            cut = [c.backend for c in decision.report.candidates if (c.error or "").startswith(_BUDGET_CUT)]
-            if new_decision and not cut:  # a decision cut short by the budget is no decision for later processes
+            reports = [decision.report] + ([owner.report] if owner is not None else [])
+            cut = [c.backend for r in reports for c in r.candidates if (c.error or "").startswith(_BUDGET_CUT)]
+            shared = owner is not None and decision.report.shared_from is not None and decision.backend is not None
+            if shared and self.record is not None and self.record.get("chosen") != "eager":
+                shared = False  # this entry's own positive decision stays
+            # A decision cut short by the budget (this one, or the owner's it shares) is no decision for later
+            # processes.
+            if (new_decision or shared) and not cut:
                 record = {
                     "fields": self.fields,
                     "chosen": decision.report.chosen,

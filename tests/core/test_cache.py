@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -373,6 +374,88 @@ def test_an_eager_decision_is_kept_apart_and_expires(tmp_path: Path) -> None:
     assert (entry / "decision.json").exists() and not (entry / "negative.json").exists()
 
 
+def _siblings(seed: int = 0) -> torch.nn.Sequential:
+    """Identical blocks that differ in a plain value, as Transformers layers do in `layer_idx`: they share one decision
+    in a process, and each has a cache key of its own."""
+    model = _model(seed)
+    for index, block in enumerate(model):
+        block.layer_idx = index
+    return model
+
+
+def _files(root: Path) -> dict[str, list[str]]:
+    return {entry.name: sorted(p.name for p in entry.iterdir()) for entry in (root / "entries").iterdir()}
+
+
+def test_a_shared_decision_leaves_whole_entries_that_a_later_process_reuses(tmp_path: Path) -> None:
+    """The sibling that took its twin's decision gets that decision under its own key beside the artifact it built:
+    `aitune-hf cache verify` finds every entry whole, and the sibling alone in a later process starts warm."""
+    x = torch.randn(4, 32)
+    model = _siblings()
+    cold, out = _tuned(model, x, cache_dir=tmp_path)
+    torch.testing.assert_close(out, _eager(model, x), atol=1e-4, rtol=1e-4)
+    assert [s.shared_from for s in _signatures(cold)] == [None, "0"]
+    assert cold.cache.stats.written == 4  # a decision and an artifact per block
+    cold.detach()
+    entries = TuningCache(str(tmp_path)).entries(verify=True)  # what `aitune-hf cache ls|verify` print
+    assert len(entries) == 2 and [e.problem for e in entries] == [None, None], [e.describe() for e in entries]
+    assert all(len(e.artifacts) == 1 and e.record["chosen"] == "onnxruntime" for e in entries)
+    assert sum("(decision shared with 0)" in e.describe() for e in entries) == 1
+    warm, out = _tuned(_siblings(), x, cache_dir=tmp_path)  # both from the cache, nothing written again
+    stats = warm.cache.stats
+    assert (stats.hits, stats.misses, stats.artifacts_loaded, stats.written) == (2, 0, 2, 0), stats
+    warm.detach()
+    model = _siblings()
+    alone = register({"1": model[1]}, {**QUICK, "cache_dir": tmp_path})  # the sibling alone: its own entry serves it
+    with torch.no_grad():
+        model(x)
+        alone.tune()
+        model(x)
+        torch.testing.assert_close(model(x), _eager(model, x), atol=1e-4, rtol=1e-4)
+    stats = alone.cache.stats
+    assert (stats.hits, stats.misses, stats.artifacts_loaded, stats.written) == (1, 0, 1, 0), stats
+    assert alone.state_counts == {"tuned": 1}
+
+
+def test_a_shared_decision_keeps_the_rules_of_negative_entries(tmp_path: Path) -> None:
+    """A shared eager decision writes nothing under the sibling's key (it was not tuned), so it never joins or
+    replaces the sibling's own positive entry; a shared positive decision replaces the sibling's negative one, as any
+    positive decision does."""
+    x = torch.randn(4, 32)
+    model = _siblings()
+    alone = register({"1": model[1]}, {**QUICK, "cache_dir": tmp_path})
+    with torch.no_grad():
+        model(x)
+        alone.tune()
+        model(x)
+    alone.detach()
+    ((sibling, own),) = _files(tmp_path).items()
+    assert "decision.json" in own
+    failing, _ = _tuned(_siblings(), x, cache_dir=tmp_path, backends=[_failing_export()])
+    assert [(s.chosen, s.shared_from) for s in _signatures(failing)] == [("eager", None), ("eager", "0")]
+    failing.detach()
+    files = _files(tmp_path)
+    assert files.pop(sibling) == own  # untouched
+    ((first, negative),) = files.items()
+    assert negative == ["negative.json"]  # the first block's own result
+    # The other way round: the sibling's entry negative, the first block's decision positive and shared.
+    shutil.rmtree(tmp_path / "entries" / sibling)
+    shutil.rmtree(tmp_path / "entries" / first)
+    model = _siblings()
+    failing = register({"1": model[1]}, {**QUICK, "cache_dir": tmp_path, "backends": [_failing_export()]})
+    with torch.no_grad():
+        model(x)
+        failing.tune()
+        model(x)
+    failing.detach()
+    assert _files(tmp_path) == {sibling: ["negative.json"]}
+    shared, _ = _tuned(_siblings(), x, cache_dir=tmp_path)
+    assert [(s.chosen, s.shared_from) for s in _signatures(shared)] == [("onnxruntime", None), ("onnxruntime", "0")]
+    shared.detach()
+    assert [n for n in _files(tmp_path)[sibling] if n.endswith(".json")] == ["decision.json"]
+    assert not [e.problem for e in TuningCache(str(tmp_path)).entries(verify=True) if e.problem]
+
+
 def test_the_layout_of_the_inputs_is_part_of_the_key(tmp_path: Path) -> None:
     x = torch.randn(4, 32)
     transposed = torch.randn(32, 4).t()  # the same shape, another layout
@@ -408,8 +491,6 @@ def test_a_cache_on_a_read_only_file_system_is_read_and_tuning_goes_on(tmp_path:
     """A read-only bind mount of a filled cache (as a fleet mounts a shared volume; root ignores file modes, a
     read-only mount does not), in a private mount namespace: blocks tune (from the cache, and afresh for what it
     lacks), nothing is written, one warning says why."""
-    import shutil
-
     if shutil.which("unshare") is None or shutil.which("mount") is None:
         pytest.skip("needs unshare and mount (util-linux) for a private read-only bind mount")
     filled = tmp_path / "filled"
