@@ -14,6 +14,7 @@ from aitune_hf.core import (
     TargetState,
     TuningConfig,
     TuningReport,
+    get_target,
     register,
 )
 from aitune_hf.hf import AITuneModel, AITunePipeline, enable_aitune
@@ -35,5 +36,6 @@ __all__ = [
     "__version__",
     "backends",
     "enable_aitune",
+    "get_target",
     "register",
 ]

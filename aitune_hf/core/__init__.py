@@ -1,7 +1,7 @@
 """The explicit-registration tuning core. Knows torch, not Hugging Face."""
 
 from aitune_hf.core.config import DEFAULT_TOLERANCES, TuningConfig
-from aitune_hf.core.registration import Registration, register
+from aitune_hf.core.registration import Registration, get_target, register
 from aitune_hf.core.report import CandidateResult, ModuleReport, SignatureReport, TuningReport
 from aitune_hf.core.signature import InputSignature, Sample, signature_of
 from aitune_hf.core.strategy import FirstWins, MinLatency, OneBackend, Strategy
@@ -25,6 +25,7 @@ __all__ = [
     "TuningConfig",
     "TuningError",
     "TuningReport",
+    "get_target",
     "register",
     "signature_of",
 ]

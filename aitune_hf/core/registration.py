@@ -31,6 +31,15 @@ logger = logging.getLogger(__name__)
 _HELD: weakref.WeakKeyDictionary[torch.nn.Module, Target] = weakref.WeakKeyDictionary()
 
 
+def get_target(module: torch.nn.Module) -> Target | None:
+    """The target that holds `module` in a live registration (its `state`, `reason`, `report()`, `calls_served`),
+    or None where no registration holds it (never registered, or detached), as Diffusers finds a module's hooks
+    from the module itself: `get_target(pipe.unet.mid_block).state`."""
+    if not isinstance(module, torch.nn.Module):
+        raise InputTypeError(f"get_target takes a torch.nn.Module, got {type(module).__name__}: {module!r:.80}")
+    return _HELD.get(module)
+
+
 def register(
     modules: Mapping[str, torch.nn.Module] | Iterable[torch.nn.Module] | torch.nn.Module,
     config: TuningConfig | Mapping[str, Any] | None = None,

@@ -17,9 +17,8 @@ from typing import Any
 
 from aitune_hf.core.registration import Registration
 from aitune_hf.errors import UserInputError
+from aitune_hf.hf.copies import SUBCLASSES as _SUBCLASSES
 from aitune_hf.hf.mixin import BOUNDARY_METHODS, AITuneMixin
-
-_SUBCLASSES: dict[type, type] = {}
 
 
 def with_aitune(cls: type) -> type:
@@ -66,18 +65,6 @@ def _boundary(cls: type, method: str, subclass: Callable[[], type]) -> Callable[
         return self._aitune_call(getattr(super(subclass(), self), method), args, kwargs)
 
     return boundary
-
-
-def is_dynamic_class(cls: Any) -> bool:
-    """True for a subclass made by `with_aitune` (not importable under its name)."""
-    return any(cls is subclass for subclass in _SUBCLASSES.values())
-
-
-def concrete_class(cls: type) -> type:
-    """The class that copies and pickles of a `cls` object get: `cls` without the dynamic aitune subclass."""
-    while is_dynamic_class(cls):
-        cls = cls.__bases__[0]
-    return cls
 
 
 def apply_mixin(obj: Any) -> Any:

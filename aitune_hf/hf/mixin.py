@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import copyreg
 import functools
 import logging
 import statistics
 import threading
-import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from aitune_hf.core.strategy import Strategy
 from aitune_hf.core.target import TargetState
 from aitune_hf.core.timing import Stopwatch
 from aitune_hf.errors import UsageError
+from aitune_hf.hf import copies
 from aitune_hf.hf.hooks import install_slot_locators, weight_motion
 from aitune_hf.hf.targets import FoundTarget, TargetSelection, as_modules, find_targets
 
@@ -89,7 +89,7 @@ class AITuneMixin:
         """The Registration (per-block state and reports): the live one, or after `disable_aitune()` the last one,
         detached (`.detached`; its `report()` is the report as it stood then); None before `enable_aitune()`."""
         state = self.__dict__.get("_aitune_state")
-        return state.registration if state is not None else self.__dict__.get(_LAST)
+        return state.registration if state is not None else _last(self)
 
     def enable_aitune(
         self,
@@ -178,7 +178,7 @@ class AITuneMixin:
             raise
         state = _AITuneState(registration, options, found, tune_after_calls, auto=auto)
         self.__dict__["_aitune_state"] = state
-        self.__dict__.pop(_LAST, None)
+        _forget(self)
         registration.observe_calls(functools.partial(_outside_call, state, type(self).__name__))
         logger.info("aitune enabled on %s: %d target(s)", type(self).__name__, len(found))
         return registration
@@ -189,7 +189,7 @@ class AITuneMixin:
         state = self.__dict__.pop("_aitune_state", None)
         if state is not None:
             state.registration.detach()
-            self.__dict__[_LAST] = state.registration
+            _remember(self, state.registration)
 
     def measure_aitune(self, *args: Any, rounds: int = 5, method: str | None = None, **kwargs: Any) -> dict[str, Any]:
         """Time whole calls eager and tuned, interleaved for `rounds`, and record the medians in the report.
@@ -334,69 +334,18 @@ class AITuneMixin:
         Runtime sessions) must never serve a copy; the forward routers in the modules reduce to the eager
         forwards. A reduction whose form cannot be rewritten safely raises `UsageError` naming disable_aitune().
         """
-        *reduced, setter = self._aitune_untuned_reduce(protocol)
-        return (*reduced, setter) if setter is not None else tuple(reduced)
+        return copies.reduce_ex(self, protocol, AITuneMixin.__reduce_ex__)
 
     def __copy__(self) -> Any:
         """A shallow copy of the concrete class, untuned (its components are the same module objects)."""
-        return self._aitune_reconstruct(None)
+        return copies.reconstruct(self, None, AITuneMixin.__reduce_ex__)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """A deep copy of the concrete class, untuned: every block of the copy runs its eager forward."""
-        duplicate = self._aitune_reconstruct(memo)
+        duplicate = copies.reconstruct(self, memo, AITuneMixin.__reduce_ex__)
         if "_aitune_state" in self.__dict__:
-            _drop_eager_forwards(duplicate)
+            copies.drop_eager_forwards(duplicate)
         return duplicate
-
-    def _aitune_reconstruct(self, memo: dict[int, Any] | None) -> Any:
-        """What `copy` does with a reduction (deep when `memo` is given), from the untuned reduction."""
-        *reduced, setter = self._aitune_untuned_reduce(4)
-        if setter is not None:  # copy's reconstruction takes no state setter
-            raise UsageError(_COPY_HINT.format(what=f"a state setter from {type(self).__qualname__}"))
-        return copy._reconstruct(self, memo, *reduced)  # type: ignore[attr-defined]
-
-    def _aitune_untuned_reduce(self, protocol: Any) -> tuple[Any, ...]:
-        """The concrete class's reduction (6 items, padded with None), rewritten to name the concrete class
-        and to leave out `_aitune_state`."""
-        from aitune_hf.hf.loading import concrete_class, is_dynamic_class
-
-        cls = type(self)
-        concrete = concrete_class(cls)
-        reducer = getattr(concrete, "__reduce_ex__", None)
-        if reducer is None or reducer is AITuneMixin.__reduce_ex__:
-            reduced = super().__reduce_ex__(protocol)
-        else:
-            reduced = reducer(self, protocol)
-        if not isinstance(reduced, tuple) or not 2 <= len(reduced) <= 6:
-            raise UsageError(_COPY_HINT.format(what=f"a reduction of the form {type(reduced).__name__}"))
-        func, args, state, listitems, dictitems, setter = reduced + (None,) * (6 - len(reduced))
-
-        def swap(value: Any) -> Any:
-            return concrete_class(value) if isinstance(value, type) and is_dynamic_class(value) else value
-
-        if not isinstance(args, tuple):
-            raise UsageError(_COPY_HINT.format(what=f"reduction arguments of type {type(args).__name__}"))
-        func, args = swap(func), tuple(swap(arg) for arg in args)
-        newobj_ex = getattr(copyreg, "__newobj_ex__", None)
-        if func in (copyreg.__newobj__, newobj_ex) and args and isinstance(args[0], type):
-            # pickle insists that __newobj__'s class is the object's own class; `object.__new__(concrete)` is
-            # what __newobj__ would do, through the reconstructor that any plain Python can load.
-            new_args, new_kwargs = (args[1], args[2]) if func is newobj_ex else (args[1:], {})
-            if new_kwargs:
-                raise UsageError(_COPY_HINT.format(what=f"{args[0].__qualname__}.__new__ takes keyword arguments"))
-            if new_args or args[0].__new__ is not object.__new__:
-                func, args = args[0].__new__, (args[0], *new_args)
-            else:
-                func, args = copyreg._reconstructor, (args[0], object, None)  # type: ignore[attr-defined]
-        if is_dynamic_class(func) or any(isinstance(arg, type) and is_dynamic_class(arg) for arg in args):
-            raise UsageError(_COPY_HINT.format(what="a reduction that names the aitune subclass"))
-        if isinstance(state, dict):
-            state = {key: value for key, value in state.items() if key not in _OWN}
-        elif isinstance(state, tuple) and len(state) == 2 and all(isinstance(s, dict | None) for s in state):
-            state = tuple(s if s is None else {k: v for k, v in s.items() if k not in _OWN} for s in state)
-        elif state is not None and _OWN & self.__dict__.keys():
-            raise UsageError(_COPY_HINT.format(what=f"a state of type {type(state).__name__}"))
-        return func, args, state, listitems, dictitems, setter
 
     def _aitune_component_replaced(self, name: str) -> None:
         """A component was re-assigned (`pipe.unet = x`): register the new one in its place."""
@@ -409,40 +358,26 @@ class AITuneMixin:
         self.enable_aitune(options.pop("targets"), **options)
 
 
-#: Where the last Registration is kept after `disable_aitune()` (for its report), and what copies leave out.
-_LAST = "_aitune_last"
-_OWN = frozenset({"_aitune_state", _LAST})
-
-_COPY_HINT = (
-    "aitune_hf cannot copy or pickle this object untuned ({what}): call disable_aitune() first, or copy and "
-    "pickle the components themselves"
-)
+#: The last Registration of each object after `disable_aitune()` (for `obj.aitune.report()`), kept beside the object
+#: rather than in it, so that copies and pickles of the object never carry it. Weak: it lives as long as the object.
+_DETACHED: weakref.WeakKeyDictionary[Any, Registration] = weakref.WeakKeyDictionary()
 
 
-def _drop_eager_forwards(obj: Any) -> None:
-    """Remove each module's instance `forward` that is just its class's forward bound to itself.
+def _remember(obj: Any, registration: Registration) -> None:
+    with contextlib.suppress(TypeError):  # an object that cannot be weakly referenced or hashed keeps none
+        _DETACHED[obj] = registration
 
-    A router copies into the eager forward it stood in front of; where that was the class forward, the copy
-    then carries it as an instance attribute. Removing it leaves exactly the concrete class's own state.
-    """
-    import torch
 
-    roots = [obj] if isinstance(obj, torch.nn.Module) else list(vars(obj).values())
-    seen: set[int] = set()
-    for root in roots:
-        if not isinstance(root, torch.nn.Module):
-            continue
-        for module in root.modules():
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            forward = module.__dict__.get("forward")
-            if (
-                isinstance(forward, types.MethodType)
-                and forward.__self__ is module
-                and forward.__func__ is getattr(type(module), "forward", None)
-            ):
-                del module.__dict__["forward"]
+def _forget(obj: Any) -> None:
+    with contextlib.suppress(TypeError):
+        _DETACHED.pop(obj, None)
+
+
+def _last(obj: Any) -> Registration | None:
+    try:
+        return _DETACHED.get(obj)
+    except TypeError:
+        return None
 
 
 #: What auto mode adds for a generative model whole: its calls hold the KV cache, which ONNX Runtime cannot

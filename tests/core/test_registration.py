@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from aitune_hf import OneBackend, TargetState, TuningConfig, register
+from aitune_hf import OneBackend, TargetState, TuningConfig, get_target, register
 from aitune_hf.core import slots
+from aitune_hf.errors import InputTypeError
 from tests.core.modules import CudaOnlyBackend, MLPBlock
 
 MANUAL = {"backends": [], "progress": False}
@@ -228,3 +229,16 @@ def test_descend_replaces_a_target_by_targets_inside_it() -> None:
         assert reg.targets["outer.first"].calls_recorded == 1
         assert "descended into outer (Parent)" in str(reg.report())
     assert _unpatched(outer.first, outer.second, other)
+
+
+def test_get_target_finds_a_block_from_the_module_itself() -> None:
+    model = torch.nn.Sequential(MLPBlock(), MLPBlock()).eval()
+    assert get_target(model[0]) is None
+    registration = register({"first": model[0], "second": model[1]}, {"progress": False})
+    target = get_target(model[1])
+    assert target is registration.targets["second"] and target.state is TargetState.RECORDING
+    assert get_target(model) is None  # the container is not a target
+    with pytest.raises(InputTypeError, match=r"get_target takes a torch\.nn\.Module, got str"):
+        get_target("model.0")
+    registration.detach()
+    assert get_target(model[1]) is None

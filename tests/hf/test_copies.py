@@ -18,7 +18,8 @@ from transformers import AutoTokenizer, BertModel
 
 from aitune_hf import AITuneModel, AITunePipeline, enable_aitune
 from aitune_hf.errors import UsageError
-from aitune_hf.hf.loading import concrete_class, is_dynamic_class, with_aitune
+from aitune_hf.hf.copies import concrete_class, is_dynamic_class
+from aitune_hf.hf.loading import with_aitune
 from aitune_hf.testing import minilm_path
 from tests.hf.conftest import run, unpatched
 from tests.quick import QUICK
