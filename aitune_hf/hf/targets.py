@@ -196,10 +196,7 @@ def find_targets(obj: Any, targets: TargetSelection = "blocks") -> list[FoundTar
     components = components_of(obj)
     if isinstance(targets, str):
         if targets not in MODES:
-            raise UserInputError(
-                f"unknown targets {targets!r}; valid: 'blocks', 'components', 'auto', a list of dotted module names "
-                f"(e.g. {_examples(components)}), or a callable"
-            )
+            raise unknown_targets(targets, components)
         rule = block_paths if targets == "blocks" else None
         found = []
         for prefix, component in components.items():
@@ -225,6 +222,25 @@ def find_targets(obj: Any, targets: TargetSelection = "blocks") -> list[FoundTar
     return found
 
 
+def unknown_targets(
+    text: str, components: dict[str, nn.Module], names: str = "a list of dotted module names", callable_ok: bool = True
+) -> UserInputError:
+    """The error for a selection `text` that is neither a mode nor a module of `components` (`components_of`): the
+    modes, how to name modules (`names`), real examples, a callable where the caller can pass one (`callable_ok`;
+    the command line cannot), and a did-you-mean among the modes and the block names."""
+    close = difflib.get_close_matches(text, [*MODES, *_valid_names(components)], n=3)
+    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+    return UserInputError(
+        f"unknown targets {text!r}; valid: {', '.join(map(repr, MODES))}, {names} (e.g. {_examples(components)})"
+        f"{', or a callable' if callable_ok else ''}.{hint}"
+    )
+
+
+def _valid_names(components: dict[str, nn.Module]) -> list[str]:
+    """The names an error offers: each component's blocks, or the component itself where it has none."""
+    return [_join(p, s) for p, c in components.items() for s in block_paths(c) or [""]]
+
+
 def _resolve(components: dict[str, nn.Module], name: Any) -> FoundTarget:
     if not isinstance(name, str):
         raise InputTypeError(f"target names are dotted strings, got {type(name).__name__}: {name!r}")
@@ -238,7 +254,7 @@ def _resolve(components: dict[str, nn.Module], name: Any) -> FoundTarget:
             return FoundTarget(name, component, path, component.get_submodule(path))
         except AttributeError:
             break
-    valid = [_join(p, s) for p, c in components.items() for s in block_paths(c) or [""]]
+    valid = _valid_names(components)
     close = difflib.get_close_matches(name, valid, n=3)
     hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
     raise UserInputError(
