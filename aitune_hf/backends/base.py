@@ -119,6 +119,10 @@ class Backend(abc.ABC):
     #: True when `build` works on a private copy of the module (the live one keeps serving other threads untouched, as
     #: background tuning needs); False for a compiler that traces the live module.
     builds_privately: bool = False
+    #: "cheap" (seconds a block: an export, a graph capture) or "slow" (a compiler: tens of seconds a block; measured
+    #: on this project's CPUs: Inductor 5-30 s for a small block, the ONNX export 1-5 s). Strategies try cheap builds
+    #: first and skip slow ones where a cheap winner is clear (`core.strategy_base.cheap_first`).
+    build_cost: str = "cheap"
 
     def with_precision(self, precision: str) -> Backend | None:
         """This backend computing in `precision` (a new instance with the same options), or None when it has no such

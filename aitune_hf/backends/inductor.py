@@ -42,6 +42,7 @@ class InductorBackend(Backend):
     """`torch.compile(forward, backend="inductor", dynamic=False)`; compiled while building."""
 
     name = "inductor"
+    build_cost = "slow"  # a compile of a small block takes 5-30 s here
     accepts_objects = True  # Dynamo traces object inputs and replays their mutations
     polymorphic = True  # dynamic=True: one graph with symbolic sizes serves a shape family
 

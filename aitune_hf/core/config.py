@@ -10,16 +10,14 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from aitune_hf.backends.base import PRECISIONS, Backend, backend_names, get_backend
 from aitune_hf.core.quality import METRICS
+from aitune_hf.core.strategy_base import STRATEGIES, Strategy
 from aitune_hf.errors import ConfigError, InputTypeError
-
-if TYPE_CHECKING:
-    from aitune_hf.core.strategy import Strategy
 
 #: (atol, rtol) per output dtype; compiled backends reorder reductions, so these are looser than bitwise.
 DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -284,8 +282,6 @@ def _check_backends(value: Any) -> tuple[str | Backend, ...]:
 
 
 def _check_strategy(value: Any) -> str | Strategy:
-    from aitune_hf.core.strategy import STRATEGIES, Strategy  # strategy.py imports this module
-
     if isinstance(value, Strategy) or (isinstance(value, str) and value in STRATEGIES):
         return value
     if isinstance(value, str):

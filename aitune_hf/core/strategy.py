@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -20,6 +19,7 @@ from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import CandidateResult, SignatureReport
 from aitune_hf.core.rng import DrawsRandomNumbers, no_random_draws, random_states
 from aitune_hf.core.signature import InputSignature, Sample, describe_family, state_tensors
+from aitune_hf.core.strategy_base import STRATEGIES, Strategy, build_cost
 from aitune_hf.core.timing import Stopwatch, clock, time_until_settled
 from aitune_hf.errors import ConfigError, TuningError
 
@@ -39,33 +39,6 @@ class Decision:
     report: SignatureReport
     guard: ModuleGuard | None = None  # what the built backend depends on (None for eager)
     fallback: tuple[Backend, BuiltBackend, ModuleGuard] | None = None
-
-
-#: Build cost by backend name: "cheap" builds take seconds (an export, a graph capture); "slow" ones are compilers
-#: that take tens of seconds a block (measured on this project's CPUs: Inductor 5-30 s for a small block, the ONNX
-#: export 1-5 s). A backend class may say so itself with a `build_cost` attribute ("cheap" or "slow"); a name in
-#: neither place is taken as cheap (it is never skipped for its cost).
-BUILD_COST: dict[str, str] = {
-    "eager": "cheap",
-    "onnxruntime": "cheap",
-    "cudagraphs": "cheap",
-    "inductor": "slow",
-    "tensorrt": "slow",
-}
-
-
-def build_cost(backend: Backend) -> str:
-    """The build cost of `backend`, "cheap" or "slow": its own `build_cost` attribute, else `BUILD_COST` by its
-    name, else "cheap"."""
-    own = getattr(backend, "build_cost", None)
-    if own in ("cheap", "slow"):
-        return own
-    return BUILD_COST.get(backend.name, "cheap")
-
-
-def cheap_first(backends: Sequence[Backend]) -> list[Backend]:
-    """`backends` with the cheap builds first; the order given is kept within each cost (a stable sort)."""
-    return sorted(backends, key=lambda backend: build_cost(backend) == "slow")
 
 
 class NoEvidence(Exception):
@@ -348,41 +321,6 @@ def _all_finite(value: Any) -> bool:
     return True
 
 
-class Strategy(abc.ABC):
-    """Decides which backend serves one signature of one target.
-
-    `order`: "cost" (default) tries cheap builds first (`cheap_first`: the order given is kept within each cost);
-    "given" keeps `config.backends` as given.
-    """
-
-    name: str = ""
-    order: str = "cost"
-
-    def __init__(self, order: str = "cost") -> None:
-        if order not in ("cost", "given"):
-            raise ConfigError(f"{type(self).__name__}(order=...) must be 'cost' or 'given', got {order!r}")
-        self.order = order
-
-    def candidates(self, config: TuningConfig) -> list[Backend]:
-        """The candidate backends this strategy will try, eager excluded, in the order given."""
-        return config.resolve_backends()
-
-    def ordered(self, backends: Sequence[Backend]) -> list[Backend]:
-        """`backends` in the order this strategy tries them."""
-        return cheap_first(backends) if self.order == "cost" else list(backends)
-
-    def validate(self, config: TuningConfig, devices: frozenset[torch.device]) -> None:
-        """Raise before anything is patched if this strategy cannot work with `config` on `devices`."""
-        self.candidates(config)
-
-    @abc.abstractmethod
-    def decide(self, job: TuningJob, backends: Sequence[Backend]) -> Decision:
-        """Build, check and time candidates for `job`, and choose."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()" if self.order == "cost" else f"{type(self).__name__}(order={self.order!r})"
-
-
 class MinLatency(Strategy):
     """Keep the fastest correct candidate if it beats eager by `min_speedup`, else eager; skip slow builds once a
     cheap one clearly wins.
@@ -575,7 +513,7 @@ def _nothing_worked(job: TuningJob, backends: Sequence[Backend]) -> str:
     return f"every candidate failed: {job.failures()}"
 
 
-STRATEGIES: dict[str, type[Strategy]] = {"min_latency": MinLatency, "first_wins": FirstWins}
+STRATEGIES.update(min_latency=MinLatency, first_wins=FirstWins)
 
 
 def resolve_strategy(spec: str | Strategy) -> Strategy:

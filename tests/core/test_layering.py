@@ -63,9 +63,69 @@ def test_no_import_cycle_inside_core() -> None:
     assert not cycles, f"import cycles through {cycles}"
 
 
-def test_core_never_imports_hf_layer() -> None:
-    for path in (PACKAGE / "core").glob("*.py"):
-        assert not any(name.startswith("aitune_hf.hf") for name in _imports(path)), path.name
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the package modules it imports at run time, lazy imports inside functions
+    included (an import in a function is an arrow too); `from aitune_hf.x import y` counts as importing
+    aitune_hf.x.y where that is a module, else aitune_hf.x."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+                node.body = []
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names if alias.name.startswith("aitune_hf"))
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("aitune_hf"):
+                for alias in node.names:
+                    child = f"{node.module}.{alias.name}"
+                    found.add(child if child in modules else node.module)
+        graph[name] = {target for target in found if target in modules and target != name}
+    return graph
+
+
+def test_no_import_cycle_anywhere_in_the_package() -> None:
+    """No module imports one that imports it back, through any path, lazy imports included (the package's own
+    __init__ files, which gather the public face, are not counted as importers)."""
+    graph = {name: {t for t in targets if not PACKAGE.joinpath(*t.split(".")[1:], "__init__.py").exists()}
+             for name, targets in _package_graph().items()}  # fmt: skip
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph.get(start, ()))
+
+    cycles = sorted(name for name in graph if reaches(name, name, set()))
+    assert not cycles, f"import cycles through {cycles}"
+
+
+#: Who may not import whom (ARCHITECTURE.md, "Arrows point one way"): importer prefix -> forbidden prefixes.
+FORBIDDEN = {
+    "aitune_hf.core": ("aitune_hf.hf", "aitune_hf.session", "aitune_hf.plotting", "aitune_hf.cli",
+                       "aitune_hf.serving", "aitune_hf.testing"),
+    "aitune_hf.backends": ("aitune_hf.core", "aitune_hf.hf", "aitune_hf.session", "aitune_hf.plotting",
+                           "aitune_hf.cli", "aitune_hf.serving", "aitune_hf.testing"),
+    "aitune_hf.hf": ("aitune_hf.session", "aitune_hf.plotting", "aitune_hf.cli", "aitune_hf.serving"),
+    "aitune_hf.plotting": ("aitune_hf.hf", "aitune_hf.session", "aitune_hf.cli", "aitune_hf.serving"),
+    "aitune_hf.session": ("aitune_hf.cli",),
+}  # fmt: skip
+
+
+def test_every_arrow_points_one_way() -> None:
+    broken = [
+        f"{name} imports {target}"
+        for name, targets in _package_graph().items()
+        for importer, forbidden in FORBIDDEN.items()
+        if name == importer or name.startswith(importer + ".")
+        for target in targets
+        if target.startswith(forbidden)
+    ]
+    assert not broken, broken
 
 
 def test_package_imports_without_optional_libraries() -> None:

@@ -15,7 +15,7 @@ from aitune_hf.backends import OnnxRuntimeBackend
 from aitune_hf.backends.base import Backend, BuiltBackend, Call
 from aitune_hf.core import signature_of
 from aitune_hf.core.report import ModuleReport, TuningReport
-from aitune_hf.core.strategy import build_cost, cheap_first
+from aitune_hf.core.strategy_base import build_cost, cheap_first
 from aitune_hf.core.timing import Stopwatch, clock
 from aitune_hf.errors import ConfigError
 from tests.core.modules import (

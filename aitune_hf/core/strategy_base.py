@@ -1,0 +1,66 @@
+"""What a strategy is, below the configuration that names one: the `Strategy` interface, the registry of strategy
+names, and the build-cost order. `core/strategy.py` holds the strategies and the tuning job; `core/config.py` checks
+names against the registry here, so neither imports the other."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from aitune_hf.backends.base import Backend
+from aitune_hf.errors import ConfigError
+
+if TYPE_CHECKING:
+    from aitune_hf.core.config import TuningConfig
+    from aitune_hf.core.strategy import Decision, TuningJob
+
+#: Strategy name -> class, for `TuningConfig(strategy="...")`: filled by `core/strategy.py` (imported with the core).
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def build_cost(backend: Backend) -> str:
+    """The build cost of `backend` as it declares it (`Backend.build_cost`): "slow" or "cheap" (anything else)."""
+    return "slow" if getattr(backend, "build_cost", None) == "slow" else "cheap"
+
+
+def cheap_first(backends: Sequence[Backend]) -> list[Backend]:
+    """`backends` with the cheap builds first; the order given is kept within each cost (a stable sort)."""
+    return sorted(backends, key=lambda backend: build_cost(backend) == "slow")
+
+
+class Strategy(abc.ABC):
+    """Decides which backend serves one signature of one target.
+
+    `order`: "cost" (default) tries cheap builds first (`cheap_first`: the order given is kept within each cost);
+    "given" keeps `config.backends` as given.
+    """
+
+    name: str = ""
+    order: str = "cost"
+
+    def __init__(self, order: str = "cost") -> None:
+        if order not in ("cost", "given"):
+            raise ConfigError(f"{type(self).__name__}(order=...) must be 'cost' or 'given', got {order!r}")
+        self.order = order
+
+    def candidates(self, config: TuningConfig) -> list[Backend]:
+        """The candidate backends this strategy will try, eager excluded, in the order given."""
+        return config.resolve_backends()
+
+    def ordered(self, backends: Sequence[Backend]) -> list[Backend]:
+        """`backends` in the order this strategy tries them."""
+        return cheap_first(backends) if self.order == "cost" else list(backends)
+
+    def validate(self, config: TuningConfig, devices: frozenset[torch.device]) -> None:
+        """Raise before anything is patched if this strategy cannot work with `config` on `devices`."""
+        self.candidates(config)
+
+    @abc.abstractmethod
+    def decide(self, job: TuningJob, backends: Sequence[Backend]) -> Decision:
+        """Build, check and time candidates for `job`, and choose."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()" if self.order == "cost" else f"{type(self).__name__}(order={self.order!r})"
