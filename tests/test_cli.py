@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,9 @@ def test_demo_tunes_checks_and_reports(demo) -> None:
     assert "PASS" in out and "FAIL" not in out
     assert "tuning:" in out
     assert "prepare" in out  # enable_aitune + recording + tuning calls, from aitune_hf.session
+    # The last line is what a user compares with the README: seconds, the measured speed-up, and the CPU it ran on.
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(r"demo took \d+\.\d s; end to end \d+\.\d\dx \(measured\); cpu: .+", last), last
 
 
 def test_demo_leaves_the_thread_count_as_it_was(demo) -> None:

@@ -248,3 +248,21 @@ def _disable_all(namespace: dict[str, object]) -> None:
             value.disable_aitune()
         elif isinstance(value, Registration):
             value.detach()
+
+
+def test_the_readme_lists_the_extras_that_pyproject_defines() -> None:
+    """The README's list of extras names each extra of pyproject.toml once, and nothing else."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("The extras (as `pyproject.toml` defines them") :]
+    section = section[: section.index("\n\n", section.index("\n- "))]
+    listed = re.findall(r"^- `([a-z0-9_-]+)`:", section, flags=re.MULTILINE)
+    assert sorted(listed) == sorted(extras), (listed, sorted(extras))
+    for name, spec in extras.items():  # an extra made of others names each of them
+        for inner in re.findall(r"aitune-hf\[([a-z0-9_,-]+)\]", " ".join(spec)):
+            entry = next(line for line in section.splitlines() if line.startswith(f"- `{name}`"))
+            entry += " ".join(section.split(f"- `{name}`", 1)[1].split("\n- ", 1)[0].splitlines())
+            assert all(f"`{part}`" in entry for part in inner.split(",")), (name, inner, entry)
