@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.report import TuningReport
 from aitune_hf.core.timing import Stopwatch
-from aitune_hf.errors import AITuneError, UserInputError
+from aitune_hf.errors import AITuneError, PathError, UserInputError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -58,10 +58,6 @@ SENTENCES = (
 )
 #: Errors that are the user's to fix: reported as one line, exit code 2, no traceback. Anything else is a bug.
 USER_ERRORS = (AITuneError, OSError, ImportError)
-
-
-class UsageError(UserInputError):
-    """A mistake in the command line or its inputs (reported as one line)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,7 +94,7 @@ def _diffusers_workload(folder: Path, call_kwargs: dict[str, Any], seed: int) ->
 
     pipe = AITunePipeline.from_pretrained(folder, local_files_only=True)
     if not hasattr(pipe, "set_progress_bar_config"):
-        raise UsageError(f"{folder} did not load as a Diffusers pipeline (got {type(pipe).__name__})")
+        raise UserInputError(f"{folder} did not load as a Diffusers pipeline (got {type(pipe).__name__})")
     pipe.set_progress_bar_config(disable=True)
     kwargs = {**call_kwargs, "output_type": "np"}
 
@@ -136,7 +132,7 @@ def _check_call_keys(obj: Any, given: dict[str, str], say: Callable[[str], None]
             say(f"warning: {flag}: {key!r}{hint} is none of the named arguments of {callee}; it takes **kwargs, so "
                 f"the call accepts it, and may ignore it")  # fmt: skip
             continue
-        raise UsageError(f"{flag}: {callee} takes no argument {key!r}{hint}; valid: {', '.join(valid)}")
+        raise UserInputError(f"{flag}: {callee} takes no argument {key!r}{hint}; valid: {', '.join(valid)}")
 
 
 def _transformers_workload(folder: Path, texts: Sequence[str]) -> Workload:
@@ -149,7 +145,9 @@ def _transformers_workload(folder: Path, texts: Sequence[str]) -> Workload:
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as error:
-        raise UsageError(f"{folder} holds a Transformers model but no usable tokenizer: {_first_line(error)}") from None
+        raise UserInputError(
+            f"{folder} holds a Transformers model but no usable tokenizer: {_first_line(error)}"
+        ) from None
     batch = dict(tokenizer(list(texts), padding=True, return_tensors="pt"))
 
     def run() -> Any:
@@ -171,7 +169,7 @@ def _pin_threads(threads: int) -> str:
     import torch
 
     if threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {threads}")
+        raise UserInputError(f"--threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
     n = torch.get_num_threads()
     return (
@@ -185,7 +183,7 @@ def _parse_backends(text: str) -> list[str]:
 
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
-        raise UsageError("--backends needs at least one backend name, e.g. inductor,onnxruntime")
+        raise UserInputError("--backends needs at least one backend name, e.g. inductor,onnxruntime")
     for name in names:
         get_backend(name)  # UserInputError naming the valid backends
     return names
@@ -214,10 +212,10 @@ def _parse_targets(text: str) -> str | list[str]:
         return text
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
-        raise UsageError(f"--targets is empty; use {', '.join(map(repr, MODES))} or {_TARGET_NAMES}")
+        raise UserInputError(f"--targets is empty; use {', '.join(map(repr, MODES))} or {_TARGET_NAMES}")
     for name in names:
         if any(char.isspace() for char in name) or "" in name.split("."):
-            raise UsageError(
+            raise UserInputError(
                 f"--targets {text!r}: {name!r} is not a dotted module name (e.g. unet.mid_block); valid: "
                 f"{', '.join(map(repr, MODES))} or {_TARGET_NAMES}"
             )
@@ -236,7 +234,7 @@ def _check_targets(obj: Any, text: str) -> str | list[str]:
         problem = _first_line(error)
         if isinstance(targets, list) and len(targets) == 1 and "." not in targets[0]:
             problem = str(unknown_targets(targets[0], components_of(obj), names=_TARGET_NAMES, callable_ok=False))
-        raise UsageError(f"--targets: {problem}") from None
+        raise UserInputError(f"--targets: {problem}") from None
     return targets
 
 
@@ -266,9 +264,9 @@ def _parse_quality(text: str) -> dict[str, float]:
         except ValueError:
             budgets[metric.strip()] = None
         if budgets[metric.strip()] is None:
-            raise UsageError(f"--quality {text!r}: {part!r} is not METRIC=NUMBER, e.g. psnr=40 or cosine=0.995")
+            raise UserInputError(f"--quality {text!r}: {part!r} is not METRIC=NUMBER, e.g. psnr=40 or cosine=0.995")
     if not budgets:
-        raise UsageError("--quality is empty; give METRIC=NUMBER, e.g. psnr=40")
+        raise UserInputError("--quality is empty; give METRIC=NUMBER, e.g. psnr=40")
     return budgets
 
 
@@ -290,7 +288,7 @@ def _tune_and_check(work: Workload, args: argparse.Namespace, out: Any) -> tuple
             if work.obj.aitune is not None or not work.call_flags or isinstance(error, AITuneError):
                 raise
             flags = work.call_flags
-            raise UsageError(f"the eager call rejected its inputs (see {flags}): {_first_line(error)}") from error
+            raise UserInputError(f"the eager call rejected its inputs (see {flags}): {_first_line(error)}") from error
 
     session = run_session(
         work.obj,
@@ -337,9 +335,9 @@ def _check_writable(path: str | Path | None) -> None:
         return
     target = Path(path)
     if target.is_dir():
-        raise UsageError(f"{target} is a folder; give a file path for the JSON report")
+        raise UserInputError(f"{target} is a folder; give a file path for the JSON report")
     if not target.parent.is_dir():
-        raise FileNotFoundError(f"cannot write {target}: folder {target.parent} does not exist")
+        raise PathError(f"cannot write {target}: folder {target.parent} does not exist")
 
 
 def _write_json(report: Any, facts: dict[str, Any], path: str | Path) -> Path:
@@ -401,16 +399,16 @@ def cmd_tune(args: argparse.Namespace, out: Any) -> int:
     say = _printer(out)
     folder = Path(args.folder)
     if not folder.exists():
-        raise FileNotFoundError(f"{folder}: no such folder")
+        raise PathError(f"{folder}: no such folder")
     if not folder.is_dir():
-        raise UsageError(f"{folder} is not a folder; pass a local Diffusers pipeline or Transformers model folder")
+        raise UserInputError(f"{folder} is not a folder; pass a local Diffusers pipeline or Transformers model folder")
     kind = folder_kind(folder)  # UserInputError for a folder that is neither
     call_extra = _parse_call_kwargs(args.call_kwargs)
     _check_writable(args.report)
     if kind == "diffusers" and args.text:
-        raise UsageError("--text is for Transformers model folders; a Diffusers pipeline takes --prompt")
+        raise UserInputError("--text is for Transformers model folders; a Diffusers pipeline takes --prompt")
     if kind == "transformers" and (call_extra or args.height or args.width):
-        raise UsageError("--call-kwargs/--height/--width are for Diffusers pipelines; a model takes --text")
+        raise UserInputError("--call-kwargs/--height/--width are for Diffusers pipelines; a model takes --text")
     threads_line = _pin_threads(args.threads)
     _check_options(args)
     say(threads_line)
@@ -428,7 +426,7 @@ def cmd_tune(args: argparse.Namespace, out: Any) -> int:
     except ValueError as error:
         if isinstance(error, AITuneError):
             raise
-        raise UsageError(f"{folder} did not load as a {kind} {_KINDS[kind]}: {_first_line(error)}") from error
+        raise UserInputError(f"{folder} did not load as a {kind} {_KINDS[kind]}: {_first_line(error)}") from error
     work.call_flags = "--prompt/--steps/--height/--width/--call-kwargs" if kind == "diffusers" else "--text"
     work.facts = {"command": "tune", "folder": str(folder.resolve()), "kind": kind}
     report, facts = _tune_and_check(work, args, out)
@@ -440,11 +438,11 @@ def cmd_report(args: argparse.Namespace, out: Any) -> int:
     """Print a saved report JSON as a table."""
     path = Path(args.path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
+        raise PathError(f"{path}: no such file")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise UsageError(f"{path} is not JSON: {error}") from None
+        raise UserInputError(f"{path} is not JSON: {error}") from None
     say = _printer(out)
     say(format_report(data))
     if args.details:
@@ -462,11 +460,11 @@ def cmd_cache(args: argparse.Namespace, out: Any) -> int:
     say = _printer(out)
     location = args.cache_dir or os.environ.get(ENV) or default_location()
     if location.strip().lower() == "off":
-        raise UsageError(f"the cache is off (${ENV}=off); give --cache-dir")
+        raise UserInputError(f"the cache is off (${ENV}=off); give --cache-dir")
     try:
         cache = TuningCache(location, read_only=args.action != "clear")
     except CacheUnusable as error:
-        raise UsageError(str(error)) from None
+        raise UserInputError(str(error)) from None
     if args.action == "clear":
         say(f"{location}: removed {cache.clear()} entr(ies)")
         return EXIT_OK
@@ -493,7 +491,7 @@ def format_report(data: dict[str, Any]) -> str:
     try:
         report = TuningReport.from_dict(data)
     except ValueError as error:
-        raise UsageError(str(error)) from None
+        raise UserInputError(str(error)) from None
     lines = []
     line = ""
     for item in (f"{k}: {_fact(v)}" for k, v in data.items() if k not in _REPORT_KEYS):
@@ -582,9 +580,9 @@ def _parse_call_kwargs(text: str | None) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
-        raise UsageError(f"--call-kwargs is not JSON: {error}") from None
+        raise UserInputError(f"--call-kwargs is not JSON: {error}") from None
     if not isinstance(value, dict):
-        raise UsageError("--call-kwargs must be a JSON object, e.g. '{\"guidance_scale\": 4.5}'")
+        raise UserInputError("--call-kwargs must be a JSON object, e.g. '{\"guidance_scale\": 4.5}'")
     return value
 
 

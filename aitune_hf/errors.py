@@ -7,6 +7,11 @@
 - `TuningError` (also a `RuntimeError`): tuning could not give what was asked for (e.g. `OneBackend` whose backend
   cannot serve a target). Tuning inside a user's call never raises it into that call: the target stays eager.
 
+- `PathError` (a `UserInputError` and a `FileNotFoundError`): a file or folder named by the caller is missing;
+  `ReadOnlyError` (a `UsageError` and a `PermissionError`): a write asked of a read-only cache.
+- `MissingExtraError` (also an `ImportError`): a feature needs an extra that is not installed (`pip install
+  'aitune-hf[notebooks]'`).
+
 Anything else that escapes aitune_hf is a bug, and the CLI shows its traceback.
 """
 
@@ -35,3 +40,15 @@ class UsageError(AITuneError, RuntimeError):
 
 class TuningError(AITuneError, RuntimeError):
     """Tuning could not give what was asked for."""
+
+
+class PathError(UserInputError, FileNotFoundError):
+    """A file or folder the caller named is not there (also a `FileNotFoundError`, as Python reports it)."""
+
+
+class ReadOnlyError(UsageError, PermissionError):
+    """A write was asked of something opened read-only (a cache with `cache="ro"`; also a `PermissionError`)."""
+
+
+class MissingExtraError(AITuneError, ImportError):
+    """A feature needs an optional dependency that is not installed; the message names the pip extra."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aitune_hf.core.report import register_plotter
+from aitune_hf.errors import InputTypeError, MissingExtraError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -78,7 +79,7 @@ def plot_report(
     try:
         figure_class = _report_figure_class()
     except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError(_INSTALL_HINT) from error
+        raise MissingExtraError(_INSTALL_HINT) from error
 
     rows, skipped = _rows(report)
     if ax is None:
@@ -91,7 +92,7 @@ def plot_report(
     else:
         axes = list(ax)
         if len(axes) != 2 or not all(_is_axes(a) for a in axes):
-            raise TypeError("ax must be None, one matplotlib Axes, or a pair (targets_ax, end_to_end_ax)")
+            raise InputTypeError("ax must be None, one matplotlib Axes, or a pair (targets_ax, end_to_end_ax)")
         targets_ax, e2e_ax = axes
         fig = targets_ax.figure
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aitune_hf.core.timing import Stopwatch
-from aitune_hf.errors import InputTypeError
+from aitune_hf.errors import InputTypeError, UsageError
 from aitune_hf.hf.loading import enable_aitune
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class Replica:
         """Raise when the replica cannot serve (what Ray Serve's `check_health` should call): aitune was disabled
         under it. A replica serving eager is healthy."""
         if self.registration.detached:
-            raise RuntimeError("aitune_hf replica: disable_aitune() was called; restart the replica to tune again")
+            raise UsageError("aitune_hf replica: disable_aitune() was called; restart the replica to tune again")
 
 
 def _cache_off(registration: Any) -> str:

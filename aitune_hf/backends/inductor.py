@@ -61,7 +61,7 @@ class InductorBackend(Backend):
             )
         freezing = freezing or precision != "fp32"  # the weights are cast once, at compile time
         if mode is not None and (options or freezing):
-            raise ValueError(
+            raise ConfigError(
                 "InductorBackend: pass either `mode` or `options`/`freezing` (or a reduced precision), not both "
                 "(torch.compile accepts one of them)"
             )

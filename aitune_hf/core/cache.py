@@ -59,6 +59,7 @@ from aitune_hf.backends.base import ArtifactPlace, Backend
 from aitune_hf.core import hardware
 from aitune_hf.core.guards import state_fingerprint
 from aitune_hf.core.signature import InputSignature
+from aitune_hf.errors import ReadOnlyError
 
 if TYPE_CHECKING:
     from aitune_hf.core.config import TuningConfig
@@ -402,7 +403,7 @@ class TuningCache:
     def clear(self) -> int:
         """Remove every entry and staging leftover; returns how many entries there were."""
         if self.read_only:
-            raise PermissionError(f"cache {self.location} is read-only")
+            raise ReadOnlyError(f"cache {self.location} is read-only")
         count = len(self.entries())
         for sub in ("entries", "tmp", "locks"):
             path = self._path(sub)

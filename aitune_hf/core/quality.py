@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from aitune_hf.errors import InputTypeError
+
 #: metric -> (what it measures, default budget). Every figure is "higher is better" and passes at >= its budget.
 METRICS: dict[str, tuple[str, float]] = {
     "psnr": ("PSNR against fp32 eager, dB", 35.0),
@@ -151,7 +153,7 @@ def _raw(output: Any, kind: str) -> np.ndarray:
         return _as_array(_field(output, "logits"))
     value = _first_array(output)
     if value is None:
-        raise TypeError(f"cannot read an embedding or hidden state from a {type(output).__name__}")
+        raise InputTypeError(f"cannot read an embedding or hidden state from a {type(output).__name__}")
     return value
 
 

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from aitune_hf.errors import MissingExtraError, UserInputError
+
 #: Draws a TuningReport as a matplotlib Figure: registered by `aitune_hf.plotting` when it is imported (the package
 #: imports it), so that the report, which only holds data, never imports the plotting layer above it.
 _PLOTTER: Callable[..., Any] | None = None
@@ -417,11 +419,11 @@ class TuningReport:
     def from_dict(cls, data: Any) -> TuningReport:
         """Rebuild a report from `to_dict()` or the parsed JSON of `to_json()` (derived keys are ignored)."""
         if not isinstance(data, dict) or not isinstance(data.get("modules"), dict):
-            raise ValueError("not an aitune_hf report: expected a JSON object with a 'modules' object")
+            raise UserInputError("not an aitune_hf report: expected a JSON object with a 'modules' object")
 
         def build(kind: type, raw: Any, **nested: Any) -> Any:
             if not isinstance(raw, dict):
-                raise ValueError(f"not an aitune_hf report: a {kind.__name__} entry is not an object")
+                raise UserInputError(f"not an aitune_hf report: a {kind.__name__} entry is not an object")
             names = {f.name for f in fields(kind)} - set(nested)
             return kind(**{k: v for k, v in raw.items() if k in names}, **nested)
 
@@ -451,7 +453,7 @@ class TuningReport:
         `title`, `figsize`, `log_scale` as in `aitune_hf.plotting.plot_report`.
         """
         if _PLOTTER is None:  # importing aitune_hf (as any import of aitune_hf.core does) registers it
-            raise ImportError("no plotter is registered: import aitune_hf.plotting")
+            raise MissingExtraError("no plotter is registered: import aitune_hf.plotting")
         return _PLOTTER(self, ax, **kwargs)
 
     def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:

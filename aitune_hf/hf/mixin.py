@@ -323,7 +323,7 @@ class AITuneMixin:
     def _aitune_state_or_raise(self) -> _AITuneState:
         state = self.__dict__.get("_aitune_state")
         if state is None:
-            raise RuntimeError("aitune is not enabled here; call enable_aitune() first")
+            raise UsageError("aitune is not enabled here; call enable_aitune() first")
         return state
 
     # -- copies (copy.copy / copy.deepcopy / pickle / torch.save) ----------------------------------------
