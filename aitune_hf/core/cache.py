@@ -76,8 +76,6 @@ NEGATIVE = "negative.json"
 NEGATIVE_TTL_S = 7 * 24 * 3600
 MANIFEST = "manifest.json"
 _HASH_CHUNK = 1 << 20
-#: How the strategies mark a candidate skipped for the tuning budget (`TuningJob.skip_for_budget`).
-_BUDGET_CUT = "skipped: tuning budget"
 
 
 def default_location() -> str:
@@ -648,7 +646,7 @@ class Consultation:
                 name = self.place.name(decision.backend, built.bakes_weights)
                 cache.write_artifact(self.key, name, built.artifacts[0])
             reports = [decision.report] + ([owner.report] if owner is not None else [])
-            cut = [c.backend for r in reports for c in r.candidates if (c.error or "").startswith(_BUDGET_CUT)]
+            cut = [c.backend for r in reports for c in r.candidates if c.skipped_for == "budget"]
             shared = owner is not None and decision.report.shared_from is not None and decision.backend is not None
             if shared and self.record is not None and self.record.get("chosen") != "eager":
                 shared = False  # this entry's own positive decision stays

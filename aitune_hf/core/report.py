@@ -41,6 +41,9 @@ class CandidateResult:
     rounds: int | None = None  # timed rounds (the sequential rule stops once its speed-up is decided)
     precision: str = "fp32"  # what it computes in (`core/precision.py`): reduced ones are checked by relative error
     rel_error: float | None = None  # its largest relative L2 error against eager on the recorded calls
+    #: Why it was not tried, as a kind the code can test (its `error` text says it for people): "budget" (the tuning
+    #: budget was spent: the decision is incomplete, and the cache does not keep it), or None.
+    skipped_for: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -309,7 +312,7 @@ class TuningReport:
             lines.insert(
                 0,
                 f"end to end: eager {_ms(e2e.get('eager_s'))} ms -> tuned {_ms(e2e.get('tuned_s'))} ms "
-                f"= {_x(e2e.get('speedup'))} (measured{_spread(e2e.get('speedup_range'))})"
+                f"= {_x(e2e.get('speedup'))} (measured){_spread(e2e.get('speedup_range'))}"
                 + (f"; quality: {quality}" if quality else ""),
             )
         elif quality:

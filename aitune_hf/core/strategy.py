@@ -150,14 +150,14 @@ class TuningJob:
         """True once `config.budget_s` has passed since the target began tuning (never without a budget)."""
         return self.deadline is not None and clock() >= self.deadline
 
-    def skip(self, backend: Backend, why: str) -> CandidateResult:
-        """Record `backend` as not tried: its row says "skipped: <why>"."""
-        result = CandidateResult(backend=backend.describe(), error=f"skipped: {why}")
+    def skip(self, backend: Backend, why: str, kind: str | None = None) -> CandidateResult:
+        """Record `backend` as not tried: its row says "skipped: <why>"; `kind` is `CandidateResult.skipped_for`."""
+        result = CandidateResult(backend=backend.describe(), error=f"skipped: {why}", skipped_for=kind)
         self.report.candidates.append(result)
         return result
 
     def skip_for_budget(self, backend: Backend) -> CandidateResult:
-        return self.skip(backend, f"tuning budget of {self.config.budget_s:g} s spent")
+        return self.skip(backend, f"tuning budget of {self.config.budget_s:g} s spent", kind="budget")
 
     def fresh_calls(self) -> list[Call]:
         """The samples as `(args, kwargs)`, object inputs copied afresh."""
@@ -505,7 +505,7 @@ class OneBackend(Strategy):
 def _nothing_worked(job: TuningJob, backends: Sequence[Backend]) -> str:
     if not backends:
         return "no candidate backend configured"
-    tried = [c for c in job.report.candidates if not (c.error or "").startswith("skipped: tuning budget")]
+    tried = [c for c in job.report.candidates if c.skipped_for != "budget"]
     if not tried:
         return f"tuning budget of {job.config.budget_s:g} s spent before any candidate was tried"
     if all(c.error and c.error.startswith("unavailable") for c in tried):

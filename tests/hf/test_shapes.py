@@ -84,7 +84,7 @@ def test_sentence_transformer_enabled_on_the_wrapper_serves_other_batches_and_le
     low, high = figure["speedup_range"]
     assert 0 < low <= figure["speedup"] <= high
     text = str(registration.report())
-    assert f"(measured, rounds {low:.2f}x..{high:.2f}x)" in text
+    assert f"(measured), rounds {low:.2f}x..{high:.2f}x" in text
     # Each layer serves two shape families: the table has a row for each under the layer's row.
     layer = text.splitlines().index(
         next(line for line in text.splitlines() if line.startswith("0.model.encoder.layer.0"))
