@@ -57,7 +57,9 @@ def test_generate_is_one_whole_call_and_tunes_prefill_and_decode_before_the_next
             # The second and third calls: every forward (1 prefill + 4 decode steps) served by Inductor.
             assert target.calls_served.get("inductor", 0) == 2 * 5, target.calls_served
         assert registration.end_to_end is None  # only the first (cold) call ran before tuning: nothing to compare
-        measured = model.measure_aitune(input_ids=ids, cache_implementation="static", method="generate", **GREEDY)
+        measured = model.measure_aitune(
+            input_ids=ids, cache_implementation="static", method="generate", rounds=3, **GREEDY
+        )
         assert measured["method"] == "interleaved generate() calls, 3 rounds, medians"
         assert whole_calls(model) == 3  # measuring makes plain calls, not whole calls to count
         with pytest.raises(ValueError, match=r"method must be one of __call__, generate, got 'decode'"):
