@@ -106,15 +106,23 @@ class Replica:
                     tuned_here += 1
         counts = registration.state_counts
         cache = registration.cache
+        background = registration.background.status() if registration.background is not None else None
         return {
             "ready": True,
+            # Nothing left to tune for the traffic seen: no target recording or tuning, nothing queued. A target may
+            # stay "armed" for a signature seen once that no later call has (it tunes when one comes, served by
+            # its other routes meanwhile): that does not keep the replica unsettled.
+            "settled": not counts.get("recording")
+            and not counts.get("tuning")
+            and not (background or {}).get("pending")
+            and any(counts.get(state) for state in ("tuned", "eager", "armed")),
             "targets": len(registration.targets),
             "states": counts,
             "tuned": counts.get("tuned", 0),
             "eager": counts.get("eager", 0),
             "decisions_from_cache": from_cache,
             "decisions_tuned_here": tuned_here,
-            "background": registration.background.status() if registration.background is not None else None,
+            "background": background,
             "load_seconds": self.load_seconds,
             "warm_seconds": self.warm_seconds,
             "cache": cache.stats.line() if cache is not None else _cache_off(registration),

@@ -125,9 +125,7 @@ def start_and_tune(workload: str, cache_dir: str, cache: str, name: str) -> dict
     while time.time() < deadline:
         latencies.append(handle.remote().result(timeout_s=600))
         health = handle.health.remote().result(timeout_s=60)
-        if health["tuned"] + health["eager"] == health["targets"] - health["states"].get("idle", 0) and not (
-            health["background"] or {}
-        ).get("pending"):
+        if health["settled"]:
             tuned_at = time.time() - t0
             break
     health = handle.health.remote().result(timeout_s=60)
@@ -180,6 +178,12 @@ def run(workload: str, requests: int) -> dict[str, Any]:
     return {"cold": cold, "warm": warm, "loads": loads, "eager_s": eager_s}
 
 
+def _warm_up(start: dict[str, Any]) -> float:
+    """Seconds from the loaded object to its first tuned answer: the replica's warm-up in its constructor, then the
+    requests until every block was settled."""
+    return start["health"]["warm_seconds"] + ((start["first_tuned_s"] or float("nan")) - start["ready_s"])
+
+
 def markdown(results: dict[str, dict[str, Any]], requests: int) -> str:
     from aitune_hf.core import hardware
 
@@ -193,23 +197,36 @@ def markdown(results: dict[str, dict[str, Any]], requests: int) -> str:
     ]
     for workload, result in results.items():
         cold, warm = result["cold"], result["warm"]
-        ratio = (warm["first_tuned_s"] or float("nan")) / (cold["first_tuned_s"] or float("nan"))
-        eager = result["eager_s"]
+        # Warm-up: from the loaded object to its first tuned answer (enable_aitune, the warm-up calls, waiting for
+        # decisions). Ray's actor start and loading the model cost the same with or without aitune_hf, and are shown
+        # apart. Cold, the same span is the tuning the cache saves.
+        warm_up = {name: _warm_up(start) for name, start in (("cold", cold), ("warm", warm))}
+        ratio = warm_up["warm"] / warm_up["cold"]
+        # The reference: one request at a time on a warm replica (tuned, so at most eager's latency). The first
+        # request of the cold replica is no reference: it already runs beside the background tuning.
+        eager = result["loads"][1][1]["p50_ms"] / 1e3
         worst = max(cold["latencies"]) if cold["latencies"] else float("nan")
         lines += [
             f"## {workload}: {WORKLOADS[workload]}",
             "",
-            "| start | deployment ready, s | first tuned answer, s | cache |",
-            "|---|---|---|---|",
-            f"| cold (empty cache) | {cold['ready_s']:.1f} | {cold['first_tuned_s'] or float('nan'):.1f} | "
-            f"{cold['health']['cache']} |",
-            f"| warm (filled cache) | {warm['ready_s']:.1f} | {warm['first_tuned_s'] or float('nan'):.1f} | "
-            f"{warm['health']['cache']} |",
+            "| start | deployment ready, s | first tuned answer, s | of which Ray start, s | load, s | warm-up, s "
+            "| cache |",
+            "|---|---|---|---|---|---|---|",
+            *(
+                f"| {label} | {start['ready_s']:.1f} | {start['first_tuned_s'] or float('nan'):.1f} | "
+                f"{start['ready_s'] - start['health']['load_seconds'] - start['health']['warm_seconds']:.1f} | "
+                f"{start['health']['load_seconds']:.1f} | {warm_up[name]:.1f} | {start['health']['cache']} |"
+                for name, label, start in (("cold", "cold (empty cache)", cold), ("warm", "warm (filled cache)", warm))
+            ),
             "",
-            f"- {'MET' if ratio <= 0.10 else 'NOT MET'}: warm start {ratio:.2f} of cold (goal <= 0.10)",
+            f"- {'MET' if ratio <= 0.10 else 'NOT MET'}: warm-up (loaded object to first tuned answer) {ratio:.2f} of "
+            f"cold (goal <= 0.10); from the start of the deployment: "
+            f"{warm['first_tuned_s'] / cold['first_tuned_s']:.2f}",
             f"- While the cold replica tuned in the background: {len(cold['latencies'])} request(s), the slowest "
-            f"{worst * 1e3:.0f} ms = {worst / eager:.1f}x the first (eager) one, {eager * 1e3:.0f} ms "
-            f"({'MET' if worst <= 3 * eager else 'NOT MET'}: goal a few eager latencies, <= 3x)",
+            f"{worst * 1e3:.0f} ms = {worst / eager:.1f}x a request alone on a warm replica ({eager * 1e3:.0f} ms; "
+            f"eager is no faster) ({'MET' if worst <= 3 * eager else 'NOT MET'}: goal a few eager latencies, <= 3x). "
+            "Likely cause (not yet verified): the tuning thread's export is Python-heavy and holds the GIL, and the "
+            "request's thread waits for it between its operators (a convoy)",
             "",
             "| replicas | concurrent requests | p50 ms | p99 ms | throughput req/s |",
             "|---|---|---|---|---|",
@@ -233,12 +250,23 @@ def markdown(results: dict[str, dict[str, Any]], requests: int) -> str:
     return "\n".join(lines)
 
 
+def _keyed(result: dict[str, Any]) -> dict[str, Any]:
+    """A result read back from JSON, with the load levels keyed by int again."""
+    loads = {int(r): {int(c): f for c, f in levels.items()} for r, levels in result["loads"].items()}
+    return {**result, "loads": loads}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="minilm,sd")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--out", type=Path, default=RESULTS / "serving.md")
+    parser.add_argument("--from-json", type=Path, help="write the tables again from a run's JSON, running nothing")
     args = parser.parse_args()
+    if args.from_json is not None:
+        saved = {name: _keyed(result) for name, result in json.loads(args.from_json.read_text()).items()}
+        args.out.write_text(markdown(saved, args.requests))
+        return 0
     names = args.workloads.split(",")
     unknown = set(names) - set(WORKLOADS)
     if unknown:

@@ -125,7 +125,7 @@ def test_both_replicas_start_warm_from_the_cache_and_answer_like_eager(cluster, 
     try:
         for health in _healths(handle).values():
             assert health["decisions_from_cache"] == 2 and health["decisions_tuned_here"] == 0, health
-            assert health["tuned"] == 2 and "2 decision(s) reused" in health["cache"], health
+            assert health["settled"] and health["tuned"] == 2 and "2 decision(s) reused" in health["cache"], health
             assert "read-only: nothing written" in health["cache"] and health["background"]["pending"] == 0
         for _ in range(4):
             torch.testing.assert_close(handle.remote(inputs).result(timeout_s=60), eager, atol=1e-4, rtol=1e-4)
