@@ -98,8 +98,11 @@ class Replica:
         tuner has left, load and warm-up seconds, and what the cache did (or why it is not used)."""
         registration = self.registration
         from_cache = tuned_here = 0
+        waiting = False  # an armed target that has decided nothing yet: its first tuning is still to come
         for target in registration.targets.values():
-            for signature in target.report().signatures:  # an identical sibling's decision counts as its owner's
+            signatures = target.report().signatures
+            waiting = waiting or (target.armed and not signatures)
+            for signature in signatures:  # an identical sibling's decision counts as its owner's
                 if signature.from_cache:
                     from_cache += 1
                 else:
@@ -109,12 +112,13 @@ class Replica:
         background = registration.background.status() if registration.background is not None else None
         return {
             "ready": True,
-            # Nothing left to tune for the traffic seen: no target recording or tuning, nothing queued. A target may
-            # stay "armed" for a signature seen once that no later call has (it tunes when one comes, served by
-            # its other routes meanwhile): that does not keep the replica unsettled.
+            # Nothing left to tune for the traffic seen: no target recording, tuning, queued, or armed without any
+            # decision yet. A target that decided may stay "armed" for a signature seen once that no later call has
+            # (it tunes when one comes, served by its other routes meanwhile): that does not keep it unsettled.
             "settled": not counts.get("recording")
             and not counts.get("tuning")
             and not (background or {}).get("pending")
+            and not waiting
             and any(counts.get(state) for state in ("tuned", "eager", "armed")),
             "targets": len(registration.targets),
             "states": counts,
