@@ -11,15 +11,20 @@ PACKAGE = Path(__file__).resolve().parents[2] / "aitune_hf"
 HF_LIBRARIES = {"diffusers", "transformers", "accelerate", "huggingface_hub"}
 
 
-def _imports(path: Path, runtime_only: bool = False) -> set[str]:
-    """Modules `path` imports; `runtime_only` skips `if TYPE_CHECKING:` blocks (annotations, not arrows)."""
+def _tree(path: Path, runtime_only: bool = False) -> ast.Module:
+    """The parsed file; `runtime_only` empties `if TYPE_CHECKING:` blocks (annotations, not arrows)."""
     tree = ast.parse(path.read_text())
     if runtime_only:
         for node in ast.walk(tree):
             if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
                 node.body = []
+    return tree
+
+
+def _imports(path: Path, runtime_only: bool = False) -> set[str]:
+    """Modules `path` imports (see `_tree` for `runtime_only`)."""
     names = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(_tree(path, runtime_only)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -47,22 +52,6 @@ def test_errors_module_is_a_leaf() -> None:
     assert not any(name.startswith("aitune_hf") for name in _imports(PACKAGE / "errors.py"))
 
 
-def test_no_import_cycle_inside_core() -> None:
-    """registration -> context -> strategy; target -> context: no module of core imports one that imports it."""
-    graph = {
-        path.stem: {
-            name.split(".")[-1] for name in _imports(path, runtime_only=True) if name.startswith("aitune_hf.core.")
-        }
-        for path in (PACKAGE / "core").glob("*.py")
-    }
-
-    def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph.get(start, ()))
-
-    cycles = sorted(name for name in graph if reaches(name, name, set()))
-    assert not cycles, f"import cycles through {cycles}"
-
-
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -75,12 +64,8 @@ def _package_graph() -> dict[str, set[str]]:
     modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-                node.body = []
         found = set()
-        for node in ast.walk(tree):
+        for node in ast.walk(_tree(path, runtime_only=True)):
             if isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names if alias.name.startswith("aitune_hf"))
             elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("aitune_hf"):
