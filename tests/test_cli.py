@@ -190,11 +190,12 @@ def test_a_real_bug_shows_its_traceback_in_a_process(tmp_path: Path) -> None:
 
 
 def test_user_errors_are_the_error_hierarchy() -> None:
-    from aitune_hf.cli import USER_ERRORS, UsageError
-    from aitune_hf.errors import AITuneError, UserInputError
+    from aitune_hf import cli
+    from aitune_hf.errors import AITuneError, PathError, UserInputError
 
-    assert issubclass(UsageError, UserInputError)
-    assert set(USER_ERRORS) == {AITuneError, OSError, ImportError}
+    assert set(cli.USER_ERRORS) == {AITuneError, OSError, ImportError}
+    assert not hasattr(cli, "UsageError")  # one hierarchy: a bad command line is errors.UserInputError
+    assert issubclass(PathError, UserInputError) and issubclass(PathError, FileNotFoundError)
 
 
 def test_not_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
