@@ -75,8 +75,10 @@ def _chain(errors: list[float]) -> nn.Sequential:
     return nn.Sequential(*blocks).eval()
 
 
-def test_a_reduced_decision_waits_for_the_gate_which_sends_the_worst_block_back_until_the_output_passes() -> None:
-    model = _chain([0.02, 0.08, 0.04])
+def _waiting_for_the_gate(errors: list[float]):
+    """A chain of stand-in blocks (`errors`: each one's reduced-precision error), tuned with the gate required: returns
+    (model, x, registration, the tuning call's output, eager's reference, a replay of the whole call)."""
+    model = _chain(errors)
     x = torch.randn(6, 32)
     registration = register(model, {**QUICK, "backends": [ReducedPrecisionStandIn()], "min_speedup": 0})
     registration.gate_required = True
@@ -86,16 +88,21 @@ def test_a_reduced_decision_waits_for_the_gate_which_sends_the_worst_block_back_
         waiting = model(x)  # tunes; the reduced decisions wait for the gate: eager serves them meanwhile
         with registration.bypass():
             reference = model(x)
-    assert torch.equal(waiting, reference) and registration.waiting_for_gate
-    assert all(t.calls_served.get("reduced_stand_in", 0) == 0 for t in registration.targets.values())
-    # The whole output's budget: with every block reduced, its min per-row cosine is 0.985; without block 1 (the worst,
-    # 0.08 off), 0.997: blocks 0 and 2 fit in it.
-    registration.config.quality = {"cosine": 0.995}
 
     def replay() -> torch.Tensor:
         with torch.no_grad():
             return model(x)
 
+    return model, x, registration, waiting, reference, replay
+
+
+def test_a_reduced_decision_waits_for_the_gate_which_sends_the_worst_block_back_until_the_output_passes() -> None:
+    model, x, registration, waiting, reference, replay = _waiting_for_the_gate([0.02, 0.08, 0.04])
+    assert torch.equal(waiting, reference) and registration.waiting_for_gate
+    assert all(t.calls_served.get("reduced_stand_in", 0) == 0 for t in registration.targets.values())
+    # The whole output's budget: with every block reduced, its min per-row cosine is 0.985; without block 1 (the worst,
+    # 0.08 off), 0.997: blocks 0 and 2 fit in it.
+    registration.config.quality = {"cosine": 0.995}
     figure = registration.gate(reference, replay)
     assert figure is not None and figure.passed and figure.metric == "cosine"
     states = {name: t.report() for name, t in registration.targets.items()}
@@ -113,22 +120,8 @@ def test_a_reduced_decision_waits_for_the_gate_which_sends_the_worst_block_back_
 
 
 def test_a_budget_no_candidate_meets_leaves_fp32_decisions_with_the_figure() -> None:
-    model = _chain([0.01, 0.01])
-    x = torch.randn(6, 32)
-    registration = register(model, {**QUICK, "backends": [ReducedPrecisionStandIn()], "min_speedup": 0})
-    registration.gate_required = True
-    with torch.no_grad():
-        model(x)
-        registration.tune()
-        model(x)
-        with registration.bypass():
-            reference = model(x)
+    model, x, registration, _, reference, replay = _waiting_for_the_gate([0.01, 0.01])
     registration.config.quality = {"cosine": 1.0}  # nothing reduced is ever exactly eager
-
-    def replay() -> torch.Tensor:
-        with torch.no_grad():
-            return model(x)
-
     figure = registration.gate(reference, replay)
     assert figure is not None and not figure.passed and sorted(registration.quality["demoted"]) == ["0", "1"]
     # No fp32 candidate was built (the reduced one was the only one): each block runs eager, records, and tunes
