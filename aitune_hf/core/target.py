@@ -38,6 +38,7 @@ from aitune_hf.core.cache import Consultation, consult, key_fields
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.guards import ModuleGuard, training_reason
+from aitune_hf.core.precision import block_budget
 from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import CandidateResult, ModuleReport, SignatureReport
 from aitune_hf.core.rng import DrawsRandomNumbers
@@ -396,7 +397,12 @@ class Target:
             (
                 r
                 for r in reversed(routes)  # newest first: the latest module state
-                if (signature, id(r)) not in self._rejected and r.covers(signature) and r.holds() is None
+                # A reduced-precision route waiting for the end-to-end gate covers no new shape yet (its fp32
+                # fallback serves meanwhile, and may not take the shape).
+                if (signature, id(r)) not in self._rejected
+                and not r.provisional
+                and r.covers(signature)
+                and r.holds() is None
             ),
             None,
         )
@@ -414,7 +420,10 @@ class Target:
             fell_back = built.fell_back() if built.fell_back is not None else 0
             try:
                 candidate = built.fn(*args, **kwargs)
-                check = compare_outputs(output, candidate, self._context.config.tolerance)
+                # The same check as the build's own: a reduced-precision build by its per-block relative error
+                # (the end-to-end gate accepted it on the call that tuned), fp32 by the tolerances.
+                budget = block_budget(route.backend.precision) if route.backend is not None else None
+                check = compare_outputs(output, candidate, self._context.config.tolerance, budget)
                 failure = None if check.ok else f"wrong output: {check.reason}"
                 if failure is None and built.fell_back is not None and built.fell_back() > fell_back:
                     failure = "it ran eager at this shape (e.g. Dynamo's recompile limit)"

@@ -170,19 +170,24 @@ class WrongAtBatchThree(Backend):
 
 
 class ReducedPrecisionStandIn(Backend):
-    """Runs eager and adds a fixed perturbation of relative size `module.reduced_error` (default 0.01) along a seeded
-    direction: what a reduced-precision kernel does to a block's output, with an error the test chooses. Declares
+    """Runs eager and adds a fixed perturbation of relative size `module.reduced_error` (default 0.01; at some batch
+    sizes `module.reduced_error_at[rows]`) along a seeded direction: what a reduced-precision kernel does to a block's output, with an error the test chooses. Declares
     precision "int8", so the core checks it by relative error and holds it for the end-to-end gate."""
 
     name = "reduced_stand_in"
     precision = "int8"
+    polymorphic = True  # with dynamic=True, one build serves every batch size (dimension 0 of each tensor)
 
-    def build(self, module: nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
-        error = float(getattr(module, "reduced_error", 0.01))
-
+    def build(
+        self, module: nn.Module, forward: Callable[..., Any], samples: Sequence[Call], dynamic: bool = False
+    ) -> BuiltBackend:
         def fn(*args: Any, **kwargs: Any) -> Any:
             out = forward(*args, **kwargs)
+            error = float(getattr(module, "reduced_error", 0.01))
+            error = getattr(module, "reduced_error_at", {}).get(out.shape[0], error)  # {rows: error} for some shapes
             direction = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
             return out + error * out.norm() * direction / direction.norm()
 
-        return BuiltBackend(fn=fn)
+        leaves = torch.utils._pytree.tree_leaves(samples[0])
+        dims = tuple(frozenset({0}) for leaf in leaves if isinstance(leaf, torch.Tensor)) if dynamic else None
+        return BuiltBackend(fn=fn, dynamic_dims=dims)

@@ -149,3 +149,39 @@ def test_the_per_block_filter_rejects_a_block_far_off_eager() -> None:
     assert registration.targets["0"].state is TargetState.EAGER and "relative L2; budget 0.1" in candidate.error
     assert candidate.precision == "int8" and candidate.rel_error > 0.4
     registration.detach()
+
+
+def test_a_reduced_polymorphic_build_serves_a_new_shape_that_its_per_block_filter_accepts() -> None:
+    """A new batch size of a family tuned in reduced precision is checked once by the build's own criterion (relative
+    error against the per-block budget, not fp32's tolerances) and then served; one far off eager stays eager."""
+    model = _chain([0.02])
+    model[0].reduced_error_at = {11: 0.5}  # at 11 rows, far off eager
+    x = torch.randn(6, 32)
+    registration = register(
+        model, {**QUICK, "backends": [ReducedPrecisionStandIn()], "min_speedup": 0, "shapes": "family"}
+    )
+    target = registration.targets["0"]
+    with torch.no_grad():
+        model(x)
+        model(torch.randn(4, 32))
+        registration.tune()
+        model(x)
+        registration.gate(model(x), lambda: model(x))  # nothing is reduced here beyond the budget: it passes
+        new = torch.randn(9, 32)
+        with registration.bypass():
+            reference = model(new)
+        checked = model(new)  # checked once against eager: eager's output
+        served = model(new)
+    torch.testing.assert_close(checked, reference, atol=0, rtol=0)
+    assert target.calls_served["reduced_stand_in"] >= 1 and target.state is TargetState.TUNED, registration.report()
+    assert 0.01 < (served - reference).norm() / reference.norm() < 0.03  # the build's output, 2% off eager
+    (signature,) = target.report().signatures
+    assert signature.shapes_rejected == [] and signature.shape_checks == 1, registration.report()
+    with torch.no_grad():  # 11 rows: the new shape's check fails, and it runs eager for good
+        wide = torch.randn(11, 32)
+        with registration.bypass():
+            reference = model(wide)
+        for _ in range(2):
+            torch.testing.assert_close(model(wide), reference, atol=0, rtol=0)
+    assert "relative L2; budget 0.1" in target.report().signatures[0].shapes_rejected[0]
+    registration.detach()
