@@ -171,8 +171,9 @@ class WrongAtBatchThree(Backend):
 
 class ReducedPrecisionStandIn(Backend):
     """Runs eager and adds a fixed perturbation of relative size `module.reduced_error` (default 0.01; at some batch
-    sizes `module.reduced_error_at[rows]`) along a seeded direction: what a reduced-precision kernel does to a block's output, with an error the test chooses. Declares
-    precision "int8", so the core checks it by relative error and holds it for the end-to-end gate."""
+    sizes `module.reduced_error_at[rows]`) along a seeded direction: what a reduced-precision kernel does to a block's
+    output, with an error the test chooses. Declares precision "int8", so the core checks it by relative error and
+    holds it for the end-to-end gate."""
 
     name = "reduced_stand_in"
     precision = "int8"
