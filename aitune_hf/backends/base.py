@@ -10,9 +10,11 @@ import abc
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import importlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +135,12 @@ class Backend(abc.ABC):
         """Why this backend cannot run on `devices`, or None when it can."""
         return None
 
+    @classmethod
+    def versions(cls) -> dict[str, str | None]:
+        """The packages this backend's builds depend on beyond torch, with their installed versions (None where not
+        installed): each is a part of every cache key (`core/keys.py`), so that an upgrade tunes again."""
+        return {}
+
     @abc.abstractmethod
     def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
         """Build a callable equivalent to ``forward`` for calls shaped like ``samples`` (one signature).
@@ -168,6 +176,25 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
         raise UserInputError(f"{cls.__qualname__} must set a non-empty `name` to be registered, got {cls.name!r}")
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def backend_classes() -> list[type[Backend]]:
+    """Every backend class `get_backend` reaches, the built-in ones imported (a backend imports its technology only
+    when it builds)."""
+    for name in _BUILTIN:
+        if name not in _REGISTRY:
+            module_name, class_name = _BUILTIN[name].split(":")
+            _REGISTRY[name] = getattr(importlib.import_module(module_name), class_name)
+    return [_REGISTRY[name] for name in sorted(_REGISTRY)]
+
+
+@functools.cache
+def installed_version(package: str) -> str | None:
+    """The installed version of distribution `package`, or None (for `Backend.versions`)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def backend_names() -> list[str]:

@@ -84,6 +84,10 @@ class InductorBackend(Backend):
     def supports_autograd(self) -> bool:  # type: ignore[override]
         return not self.freezing
 
+    @classmethod
+    def versions(cls) -> dict[str, str | None]:
+        return {"torch": torch.__version__}  # Inductor ships inside torch (its code generators and kernels)
+
     def describe(self) -> str:
         extras = [f"mode={self.mode}"] if self.mode else []
         extras += [f"{k}={v}" for k, v in sorted(self.options.items())]

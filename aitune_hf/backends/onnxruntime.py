@@ -33,6 +33,7 @@ from aitune_hf.backends.base import (
     BuiltBackend,
     Call,
     current_build,
+    installed_version,
     register_backend,
 )
 from aitune_hf.errors import ConfigError
@@ -140,6 +141,10 @@ class OnnxRuntimeBackend(Backend):
     def _bakes(self, module: torch.nn.Module) -> bool:
         """Whether this build bakes the weights of `module`."""
         return self.weights == "baked"
+
+    @classmethod
+    def versions(cls) -> dict[str, str | None]:
+        return {package: installed_version(package) for package in ("onnxruntime", "onnx", "onnxscript")}
 
     def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
         for package in ("onnxruntime", "onnxscript", "onnx"):
