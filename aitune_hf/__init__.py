@@ -17,7 +17,8 @@ from aitune_hf.core import (
     get_target,
     register,
 )
-from aitune_hf.hf import AITuneModel, AITunePipeline, enable_aitune
+from aitune_hf.core.timing import Stopwatch, clock, time_interleaved  # the one timer (benchmarks use it too)
+from aitune_hf.hf import AITuneModel, AITunePipeline, enable_aitune, find_targets
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -30,12 +31,16 @@ __all__ = [
     "MinLatency",
     "OneBackend",
     "Registration",
+    "Stopwatch",
     "TargetState",
     "TuningConfig",
     "TuningReport",
     "__version__",
     "backends",
+    "clock",
     "enable_aitune",
+    "find_targets",
     "get_target",
     "register",
+    "time_interleaved",
 ]

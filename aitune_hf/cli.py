@@ -37,6 +37,7 @@ from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.report import TuningReport
 from aitune_hf.core.timing import Stopwatch
 from aitune_hf.errors import AITuneError, PathError, UserInputError
+from aitune_hf.session import details
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -506,47 +507,6 @@ def format_report(data: dict[str, Any]) -> str:
         lines.append(f"end-to-end method: {e2e['method']}")
     lines.append(str(report))
     return "\n".join(lines)
-
-
-def details(data: dict[str, Any]) -> str:
-    """Per target and input signature: every candidate with its speed-up, error and build time; under an error
-    (or a reason) caused by an exception, its full text with every chained cause."""
-    lines = ["candidates per target and input signature:"]
-    for name, module in (data.get("modules") or {}).items():
-        for sig in module.get("signatures") or []:
-            shared = f", decision shared with {sig['shared_from']}" if sig.get("shared_from") else ""
-            shared += f", decision from cache entry {sig['from_cache']}" if sig.get("from_cache") else ""
-            lines.append(f"{name} [{sig.get('signature')}] -> {sig.get('chosen')}{shared}")
-            if sig.get("reason"):
-                lines.append(f"    reason: {sig['reason']}")
-                lines.extend(_indented(sig.get("details")))
-            for cand in sig.get("candidates") or []:
-                if cand.get("error"):
-                    lines.append(f"    {cand.get('backend')}: {cand['error']}")
-                    lines.extend(_indented(cand.get("details")))
-                    continue
-                speedup = cand.get("speedup")
-                err = cand.get("max_abs_error")
-                seconds = ", ".join(
-                    f"{phase} {_seconds(cand.get(f'{phase}_seconds'))}" for phase in ("build", "check", "timing")
-                )
-                lines.append(
-                    f"    {cand.get('backend')}: "
-                    f"{'-' if speedup is None else f'{speedup:.2f}x'}, "
-                    f"max err {'-' if err is None else f'{err:.1e}'}, {seconds}"
-                )
-    return "\n".join(lines)
-
-
-def _seconds(value: Any) -> str:
-    return "-" if value is None else f"{value:.1f} s"
-
-
-def _indented(text: Any) -> list[str]:
-    """The full error text behind a reason (every chained cause), indented under it; nothing when absent."""
-    if not text:
-        return []
-    return ["        " + line if line.strip() else "" for line in str(text).splitlines()]
 
 
 def _fact(value: Any) -> str:

@@ -14,9 +14,9 @@ array, `run_session` makes:
 6. optionally `obj.measure_aitune(**call_kwargs, rounds=rounds)`: interleaved eager and tuned whole calls,
    recorded in the report as the end-to-end speed-up.
 
-Every duration comes from `aitune_hf.core.timing.Stopwatch`. `prepare_seconds` is the wall time from
-`enable_aitune` until the object is tuned (enable + recording call + tuning calls): what a user waits before the
-first tuned call, and the figure a warm start (a filled `cache_dir`) shortens.
+Every duration comes from `aitune_hf.Stopwatch` (the one timer, `core/timing.py`). `prepare_seconds` is the wall
+time from `enable_aitune` until the object is tuned (enable + recording call + tuning calls): what a user waits
+before the first tuned call, and the figure a warm start (a filled `cache_dir`) shortens.
 
 Example (a tiny random pipeline; nothing is downloaded):
 
@@ -38,6 +38,12 @@ Example (a tiny random pipeline; nothing is downloaded):
 Known blind spots: `run()` must be deterministic (a fixed seed, fixed inputs), or the check compares two
 different calls; the eager and tuned calls are each timed once (use `measure_aitune` rounds, or the
 benchmarks, for a latency to trust).
+
+What the benchmarks and notebooks say about a session, named here so that they use the public API only:
+`measure(reference, output)` (the quality figure of an output against eager's: PSNR, cosine, argmax, tokens;
+`aitune_hf.core.quality`), `describe_machine()` (the CPU model and the flags that change kernels, for speed claims;
+`aitune_hf.core.hardware`) and `details(report.to_dict())` (every candidate per target and input signature, as
+`aitune-hf report --details` prints it). The timer is `aitune_hf.Stopwatch`.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aitune_hf.core.config import DEFAULT_TOLERANCES
+from aitune_hf.core.hardware import describe as describe_machine
+from aitune_hf.core.quality import QualityFigure, measure
 from aitune_hf.core.timing import Stopwatch
 
 if TYPE_CHECKING:
@@ -58,6 +66,17 @@ if TYPE_CHECKING:
 
 #: enable_aitune arguments named in the progress line "enable_aitune(...)" when given.
 _SHOWN = ("backends", "strategy", "cache_dir", "cache", "precision", "quality")
+
+__all__ = [
+    "QualityFigure",
+    "SessionResult",
+    "compare",
+    "describe_machine",
+    "details",
+    "format_counts",
+    "measure",
+    "run_session",
+]
 
 
 @dataclass
@@ -188,8 +207,6 @@ def run_session(
     diff, atol, passed = compare(eager_output, tuned_output)
     quality = None
     if registration.config.reduced:  # reduced precision is held to its end-to-end budget, not to fp32's atol
-        from aitune_hf.core.quality import measure
-
         figure = measure(eager_output, tuned_output, registration.config.quality)
         quality, passed = figure.text(), figure.passed
     return SessionResult(
@@ -240,3 +257,44 @@ def _inference(obj: Any) -> Any:
     import torch
 
     return torch.inference_mode() if isinstance(obj, torch.nn.Module) else contextlib.nullcontext()
+
+
+def details(data: dict[str, Any]) -> str:
+    """Per target and input signature: every candidate with its speed-up, error and build time; under an error
+    (or a reason) caused by an exception, its full text with every chained cause."""
+    lines = ["candidates per target and input signature:"]
+    for name, module in (data.get("modules") or {}).items():
+        for sig in module.get("signatures") or []:
+            shared = f", decision shared with {sig['shared_from']}" if sig.get("shared_from") else ""
+            shared += f", decision from cache entry {sig['from_cache']}" if sig.get("from_cache") else ""
+            lines.append(f"{name} [{sig.get('signature')}] -> {sig.get('chosen')}{shared}")
+            if sig.get("reason"):
+                lines.append(f"    reason: {sig['reason']}")
+                lines.extend(_indented(sig.get("details")))
+            for cand in sig.get("candidates") or []:
+                if cand.get("error"):
+                    lines.append(f"    {cand.get('backend')}: {cand['error']}")
+                    lines.extend(_indented(cand.get("details")))
+                    continue
+                speedup = cand.get("speedup")
+                err = cand.get("max_abs_error")
+                seconds = ", ".join(
+                    f"{phase} {_seconds(cand.get(f'{phase}_seconds'))}" for phase in ("build", "check", "timing")
+                )
+                lines.append(
+                    f"    {cand.get('backend')}: "
+                    f"{'-' if speedup is None else f'{speedup:.2f}x'}, "
+                    f"max err {'-' if err is None else f'{err:.1e}'}, {seconds}"
+                )
+    return "\n".join(lines)
+
+
+def _seconds(value: Any) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def _indented(text: Any) -> list[str]:
+    """The full error text behind a reason (every chained cause), indented under it; nothing when absent."""
+    if not text:
+        return []
+    return ["        " + line if line.strip() else "" for line in str(text).splitlines()]

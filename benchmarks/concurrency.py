@@ -24,7 +24,7 @@ B. tuning under traffic: a fresh pipeline, `enable_aitune("blocks", backends=["o
 C. after tuning: the same traffic on the same pipeline, every block the traffic runs decided.
 (A2. eager again, unless --no-eager-again: the same traffic as A, to show how much the machine drifted.)
 
-Per request: latency by `aitune_hf.core.timing.Stopwatch` around the call (the project's timer; its interleaved
+Per request: latency by `aitune_hf.Stopwatch` around the call (the project's timer; its interleaved
 rounds time functions, and a live server's per-request latencies are a different quantity).
 Every output of every phase is compared with the single-thread eager reference; a max abs diff above 1e-3
 fails the run (after the results are written).
@@ -55,8 +55,7 @@ from diffusers import StableDiffusionPipeline
 from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as files
 
 import aitune_hf
-from aitune_hf import AITunePipeline, testing
-from aitune_hf.core.timing import Stopwatch, clock
+from aitune_hf import AITunePipeline, Stopwatch, clock, testing
 
 # Tuning is measured from scratch: aitune_hf's persistent cache (on by default) stays off unless AITUNE_HF_CACHE
 # is set (a folder, to measure a warm start) or a run passes its own cache_dir.
@@ -341,7 +340,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"Workload: {setting['workload']}; {n} request threads, one `StableDiffusionPipeline` per thread sharing",
         "the components (own scheduler each), prompt embeddings computed once up front (so requests run the",
         "UNet and the VAE decoder; the 4 CLIP text-encoder blocks are registered but never called).",
-        "Latency: `aitune_hf.core.timing.Stopwatch` around each request (not its interleaved rounds, which time",
+        "Latency: `aitune_hf.Stopwatch` around each request (not its interleaved rounds, which time",
         "functions: a live server's per-request latencies are a different quantity). Percentiles are",
         f"numpy's linear ones over all {setting['requests per phase']} requests of a phase (p99 of so few requests",
         "is close to the max).",

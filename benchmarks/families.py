@@ -39,8 +39,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="aitune
 import torch  # after the Inductor cache folder is chosen
 from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as files
 
-from aitune_hf import TargetState, enable_aitune
-from aitune_hf.core.timing import Stopwatch
+from aitune_hf import Stopwatch, TargetState, enable_aitune
 from aitune_hf.testing import MODEL_FAMILIES, build_family, call_family, family_inputs, load_family
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -39,7 +39,7 @@ calls in the decode steps is counted from `calls_served` (an N-token call less a
 
 Timing: after warm-up every worker pins itself to one core (`--cpu`) and runs 1 torch thread (`--threads`).
 Workers are driven one at a time from this process: each round runs every variant once (order rotating), and
-a variant's turn is a 1-token call (prefill) then an N-token call, each timed with `aitune_hf.core.timing.Stopwatch`
+a variant's turn is a 1-token call (prefill) then an N-token call, each timed with `aitune_hf.Stopwatch`
 (CPU only: nothing to synchronise). Per round: decode tokens/s = (N - 1) / (t_N - t_1), end-to-end tokens/s = N / t_N.
 Reported values are medians over rounds; "vs best" is the median over rounds of aitune_hf's decode tokens/s
 over the best documented baseline's in the same round (± interquartile range). Every N-token call's tokens are
@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from aitune_hf.core.timing import Stopwatch  # the project's one timer (imports torch, none of Hugging Face)
+from aitune_hf import Stopwatch  # the project's one timer (imports torch, none of Hugging Face)
 
 # Tuning is measured from scratch: aitune_hf's persistent cache (on by default) stays off unless AITUNE_HF_CACHE
 # is set (a folder, to measure a warm start) or a run passes its own cache_dir.

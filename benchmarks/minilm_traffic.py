@@ -36,9 +36,8 @@ from pathlib import Path
 
 import torch
 
-from aitune_hf import enable_aitune
-from aitune_hf.core import hardware
-from aitune_hf.core.timing import Stopwatch
+from aitune_hf import Stopwatch, enable_aitune
+from aitune_hf.session import describe_machine
 from aitune_hf.testing import minilm_path
 
 # Tuning is measured from scratch: aitune_hf's persistent cache (on by default) stays off unless AITUNE_HF_CACHE
@@ -238,7 +237,7 @@ def main() -> None:
         "# sentence-transformers: all-MiniLM-L6-v2, real traffic",
         "",
         f"`python benchmarks/{Path(__file__).name}{' --quick' if args.quick else ''}"
-        f"{' --precision auto' if args.precision == 'auto' else ''}` on {hardware.describe()} "
+        f"{' --precision auto' if args.precision == 'auto' else ''}` on {describe_machine()} "
         f"({platform.machine()}), 1 thread, torch {torch.__version__}, Python {sys.version.split()[0]}; "
         f"{rounds} interleaved rounds, medians.",
         "",

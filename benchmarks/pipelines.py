@@ -49,12 +49,8 @@ import numpy as np
 import torch
 from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as files
 
-from aitune_hf import AITuneModel, AITunePipeline, testing
-from aitune_hf.core.quality import measure
-from aitune_hf.core.timing import Stopwatch
-from aitune_hf.hf.loading import apply_mixin
-from aitune_hf.hf.targets import components_of, find_targets
-from aitune_hf.session import SessionResult, format_counts, run_session
+from aitune_hf import AITuneModel, AITunePipeline, Stopwatch, find_targets, testing
+from aitune_hf.session import SessionResult, format_counts, measure, run_session
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"sd": 1.10, "flux": 1.20}  # the issue's end-to-end goals for aitune_hf (fp32)
@@ -74,7 +70,7 @@ class Workload:
     describe: str
     make: Callable[[], Any]
     call: Callable[[Any], np.ndarray]
-    kind: str = "embeddings"  # what `aitune_hf.core.quality` measures its output as: "images" (PSNR) or cosine
+    kind: str = "embeddings"  # what `aitune_hf.session.measure` measures its output as: "images" (PSNR) or cosine
 
     def quality(self, reference: np.ndarray, output: np.ndarray) -> str:
         """The output's quality figure against eager's: PSNR for images, min per-row cosine otherwise."""
@@ -120,8 +116,8 @@ def _vae_workload(folder: Path) -> Workload:
 
     latents = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(0))
 
-    def make() -> Any:
-        return apply_mixin(AutoencoderKL.from_pretrained(folder / "vae", local_files_only=True).eval())
+    def make() -> Any:  # AutoencoderKL.from_pretrained, re-classed with the mixin (auto_class takes any class)
+        return AITuneModel.from_pretrained(folder / "vae", auto_class=AutoencoderKL, local_files_only=True).eval()
 
     def call(vae: Any) -> np.ndarray:
         with torch.inference_mode():
@@ -167,17 +163,19 @@ def _compile_components(obj: Any) -> str:
 def _compile_regions(obj: Any) -> str:
     """Diffusers' compile_repeated_blocks where the class declares repeated blocks, per-block compile elsewhere."""
     done = []
-    blocks = find_targets(obj, "blocks")
-    for prefix, component in components_of(obj).items():
+    by_component: dict[int, list[Any]] = {}  # the blocks aitune_hf finds, per component, in the components' order
+    for target in find_targets(obj, "blocks"):
+        by_component.setdefault(id(target.component), []).append(target)
+    for mine in by_component.values():
+        component = mine[0].component
+        prefix = mine[0].name.removesuffix(mine[0].path).removesuffix(".")  # "" for a bare model
         if getattr(component, "_repeated_blocks", None) and hasattr(component, "compile_repeated_blocks"):
             component.compile_repeated_blocks(fullgraph=True)
             done.append(f"{prefix or 'model'}: compile_repeated_blocks")
             continue
-        mine = [t for t in blocks if t.component is component]
         for target in mine:
             target.module.compile()
-        if mine:
-            done.append(f"{prefix or 'model'}: {len(mine)} blocks compiled")
+        done.append(f"{prefix or 'model'}: {len(mine)} blocks compiled")
     return "; ".join(done)
 
 

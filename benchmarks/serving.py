@@ -185,12 +185,12 @@ def _warm_up(start: dict[str, Any]) -> float:
 
 
 def markdown(results: dict[str, dict[str, Any]], requests: int) -> str:
-    from aitune_hf.core import hardware
+    from aitune_hf.session import describe_machine
 
     lines = [
         "# Serving on Ray Serve",
         "",
-        f"`python benchmarks/serving.py` on {hardware.describe()}, {os.cpu_count()} cores; a local Ray cluster "
+        f"`python benchmarks/serving.py` on {describe_machine()}, {os.cpu_count()} cores; a local Ray cluster "
         "(num_cpus=2, Serve without HTTP: requests through handles), replicas of one torch thread, "
         f"backends ['onnxruntime'], background tuning; {requests} requests per load level.",
         "",

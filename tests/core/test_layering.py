@@ -98,6 +98,9 @@ FORBIDDEN = {
     "aitune_hf.hf": ("aitune_hf.session", "aitune_hf.plotting", "aitune_hf.cli", "aitune_hf.serving"),
     "aitune_hf.plotting": ("aitune_hf.hf", "aitune_hf.session", "aitune_hf.cli", "aitune_hf.serving"),
     "aitune_hf.session": ("aitune_hf.cli",),
+    # testing (tiny local models) raises aitune_hf.errors, inside its functions, and imports nothing else of ours.
+    "aitune_hf.testing": ("aitune_hf.core", "aitune_hf.hf", "aitune_hf.backends", "aitune_hf.session",
+                          "aitune_hf.plotting", "aitune_hf.cli", "aitune_hf.serving"),
 }  # fmt: skip
 
 
@@ -110,6 +113,48 @@ def test_every_arrow_points_one_way() -> None:
         for target in targets
         if target.startswith(forbidden)
     ]
+    assert not broken, broken
+
+
+#: The public API: what benchmarks and notebooks may import of aitune_hf (the package's own names, and these
+#: documented modules). Everything else (core, hf, cli, backends' own files) is internal and may change.
+PUBLIC = frozenset({"aitune_hf", "aitune_hf.backends", "aitune_hf.errors", "aitune_hf.plotting", "aitune_hf.serving",
+                    "aitune_hf.session", "aitune_hf.testing"})  # fmt: skip
+#: Internal imports a benchmark makes on purpose, with why.
+INTERNAL_ON_PURPOSE = {
+    # It times the per-call guard checks themselves (issue 7): it needs the guard class and reads its parts.
+    "benchmarks/guards.py": {"aitune_hf.core.guards"},
+}
+ROOT = PACKAGE.parent
+
+
+def _notebook_imports(path: Path) -> set[str]:
+    """Modules the code cells of a notebook import (IPython magics and shell lines left out)."""
+    import json
+
+    names = set()
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        lines = "".join(cell["source"]).splitlines()
+        code = "\n".join(line for line in lines if not line.lstrip().startswith(("%", "!")))
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+    return names
+
+
+def test_benchmarks_and_notebooks_use_the_public_api_only() -> None:
+    files = sorted(ROOT.glob("benchmarks/*.py")) + sorted(ROOT.glob("notebooks/*.ipynb"))
+    assert files, "no benchmarks nor notebooks found"
+    broken = []
+    for path in files:
+        imported = _notebook_imports(path) if path.suffix == ".ipynb" else _imports(path)
+        ours = {name for name in imported if name.split(".")[0] == "aitune_hf"}
+        allowed = PUBLIC | INTERNAL_ON_PURPOSE.get(path.relative_to(ROOT).as_posix(), set())
+        broken += [f"{path.relative_to(ROOT)} imports {name}" for name in sorted(ours - allowed)]
     assert not broken, broken
 
 
