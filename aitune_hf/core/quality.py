@@ -10,6 +10,12 @@ of the same call, by what that output is.
 
 `quality=` in `enable_aitune` / `TuningConfig` overrides a budget by metric name: `quality={"psnr": 40}`. A metric that
 does not apply to the output fails the check (reduced precision is then not used), naming what would apply.
+
+The gate sees one call; the budget is for every call. So the gate asks the call it replays for half the error the
+budget allows (`GATE_MARGIN`): 1 - cosine at most half of 1 - budget (0.995 for a budget of 0.99), PSNR 3 dB above
+the budget (half the squared error). Measured on real MiniLM with int8 blocks: the call that tuned had min cosine
+0.9930, single queries of lengths never seen 0.9866 at worst, 1.9x further off. Shares of equal argmax or tokens
+are asked as they are.
 """
 
 from __future__ import annotations
@@ -34,6 +40,17 @@ METRICS: dict[str, tuple[str, float]] = {
 }
 #: The metric each kind of output is measured by.
 KIND_METRIC = {"images": "psnr", "embeddings": "cosine", "logits": "argmax", "tokens": "tokens"}
+#: The share of the budget's error the end-to-end gate allows on the one call it replays (see the module docstring).
+GATE_MARGIN = 0.5
+
+
+def gate_threshold(metric: str, budget: float) -> float:
+    """What the gate asks of the call it replays for `budget` to hold on calls it never saw (`GATE_MARGIN`)."""
+    if metric == "cosine":
+        return 1.0 - (1.0 - budget) * GATE_MARGIN
+    if metric == "psnr":
+        return budget - 10.0 * math.log10(GATE_MARGIN)  # half the squared error: +3 dB
+    return budget
 
 
 @dataclass(frozen=True)
@@ -45,19 +62,24 @@ class QualityFigure:
     budget: float
     passed: bool
     kind: str
+    #: What this figure had to reach: the budget, or the gate's stricter threshold (`gate_threshold`). None: budget.
+    threshold: float | None = None
 
     def verdict(self) -> str:
         """ "PSNR 31.2 dB (needs >= 35)" for a figure that failed, `text()` for one that passed."""
         return self.text() if self.passed else self.text().replace("(>=", "(needs >=")
 
     def text(self) -> str:
-        """ "PSNR 41.2 dB (>= 35)", "min cosine 0.9981 (>= 0.99)"."""
+        """ "PSNR 41.2 dB (>= 35)", "min cosine 0.9981 (>= 0.99)"; at the gate "min cosine 0.9981 (>= 0.995, for
+        0.99 on every call)"."""
         known = self.value is not None and not math.isnan(self.value)
+        need = self.budget if self.threshold is None else self.threshold
+        bound = f">= {need:g}" if need == self.budget else f">= {need:.4g}, for {self.budget:g} on every call"
         if self.metric == "psnr":
             value = "inf" if known and math.isinf(self.value) else f"{self.value:.1f}" if known else "n/a"
-            return f"PSNR {value} dB (>= {self.budget:g})"
+            return f"PSNR {value} dB ({bound})"
         name = {"cosine": "min cosine", "argmax": "argmax agreement", "tokens": "tokens equal"}[self.metric]
-        return f"{name} {self.value:.4f} (>= {self.budget:g})" if known else f"{name} n/a (>= {self.budget:g})"
+        return f"{name} {self.value:.4f} ({bound})" if known else f"{name} n/a ({bound})"
 
 
 def budget_for(kind: str, quality: Mapping[str, float] | None) -> tuple[str, float]:
@@ -85,10 +107,14 @@ def output_kind(output: Any) -> str:
     return "embeddings"
 
 
-def measure(reference: Any, candidate: Any, quality: Mapping[str, float] | None = None) -> QualityFigure:
-    """Compare a whole call's output (`candidate`) with the fp32 eager output of the same call (`reference`)."""
+def measure(
+    reference: Any, candidate: Any, quality: Mapping[str, float] | None = None, gate: bool = False
+) -> QualityFigure:
+    """Compare a whole call's output (`candidate`) with the fp32 eager output of the same call (`reference`). With
+    `gate`, the figure passes at the gate's threshold (`gate_threshold`) rather than at the budget."""
     kind = output_kind(reference)
     metric, budget = budget_for(kind, quality)
+    threshold = gate_threshold(metric, budget) if gate else budget
     if quality:
         foreign = sorted(set(quality) - {metric})
         if foreign and metric not in quality:
@@ -97,12 +123,12 @@ def measure(reference: Any, candidate: Any, quality: Mapping[str, float] | None 
     raw = _raw(reference, kind)
     ref, cand = _values(raw), _values(_raw(candidate, kind))
     if ref.shape != cand.shape:
-        return QualityFigure(metric, float("-inf"), budget, False, kind)
+        return QualityFigure(metric, float("-inf"), budget, False, kind, threshold if gate else None)
     if metric == "psnr":
         value = _psnr(ref, cand, _peak(raw))
     else:
         value = {"cosine": _min_cosine, "argmax": _argmax, "tokens": _tokens}[metric](ref, cand)
-    return QualityFigure(metric, value, budget, bool(value >= budget), kind)
+    return QualityFigure(metric, value, budget, bool(value >= threshold), kind, threshold if gate else None)
 
 
 # -- reading outputs -------------------------------------------------------------------------------------------------

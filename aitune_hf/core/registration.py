@@ -351,9 +351,10 @@ class Registration:
 
         `reference` is a whole call's fp32 eager output; `replay()` makes the same call again. The call is replayed
         with every reduced-precision decision waiting for the gate serving, and its output compared with `reference`
-        under `config.quality` (`core/quality.py`). While it fails, the waiting decision with the largest per-block
-        error goes back to its fp32 fallback (or eager) and the call is replayed again; once it passes, the rest
-        serve. Returns the last figure (None when nothing was waiting), kept in `quality` for the report.
+        under `config.quality`, with the margin for calls the gate never sees (`core/quality.py`, `GATE_MARGIN`).
+        While it fails, the waiting decision with the largest per-block error goes back to its fp32 fallback (or
+        eager) and the call is replayed again; once it passes, the rest serve. Returns the last figure (None when
+        nothing was waiting), kept in `quality` for the report.
         """
         waiting = [(t, r) for t in self._targets.values() for r in t.provisional()]
         if not waiting:
@@ -367,7 +368,7 @@ class Registration:
             finally:
                 self._local.gating = False
             replays += 1
-            figure = measure(reference, output, self.config.quality)
+            figure = measure(reference, output, self.config.quality, gate=True)
             if figure.passed:
                 break
             target, route = max(waiting, key=lambda item: _rel_error(item[1].report))

@@ -336,7 +336,7 @@ class TuningReport:
         from aitune_hf.core.quality import QualityFigure
 
         q = self.quality
-        figure = QualityFigure(q["metric"], q["value"], q["budget"], q["passed"], q["kind"])
+        figure = QualityFigure(q["metric"], q["value"], q["budget"], q["passed"], q["kind"], q.get("threshold"))
         text = f"{figure.text()} against fp32 eager on the call that tuned"
         if q.get("demoted"):
             text += f"; {len(q['demoted'])} block(s) sent back to fp32 ({', '.join(q['demoted'])})"
