@@ -2,32 +2,32 @@
 
 The mixin knows where a whole pipeline (or model) call begins and ends (`__call__`, and a model's `generate()`,
 a VAE's `encode()` / `decode()`; calls nested in one of them are part of it), so it arms tuning after the first
-full call by default (the second call then tunes inside the pipeline's own flow, with offload hooks live),
-and it times whole calls before and after tuning: the report leads with that measured end-to-end speed-up.
+full call by default (the second call then tunes inside the pipeline's own flow, with offload hooks live; which
+call records, arms and tunes is `aitune_hf.hf.schedule`), and it times whole calls before and after tuning: the
+report leads with that measured end-to-end speed-up.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import logging
 import statistics
-import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aitune_hf.backends.base import Backend
+from aitune_hf.backends.base import Backend, backend_names
 from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.registration import Registration, register
 from aitune_hf.core.strategy import Strategy
 from aitune_hf.core.target import TargetState
 from aitune_hf.core.timing import Stopwatch
-from aitune_hf.errors import UsageError
+from aitune_hf.errors import ConfigError, InputTypeError, UsageError
 from aitune_hf.hf import copies
 from aitune_hf.hf.hooks import install_slot_locators, weight_motion
+from aitune_hf.hf.schedule import Schedule
 from aitune_hf.hf.targets import FoundTarget, TargetSelection, as_modules, find_targets
 
 logger = logging.getLogger(__name__)
@@ -40,45 +40,26 @@ BOUNDARY_METHODS = ("generate", "encode", "decode")
 
 @dataclass
 class _AITuneState:
-    """What the mixin keeps per object: the registration, how it was made, and whole-call timings."""
+    """What the mixin keeps per object: the registration, how it was made, its whole-call schedule, and whole-call
+    timings."""
 
     _aitune_guard_opaque = True  # lives in a model's __dict__: guards compare it by identity, never its counters
 
     registration: Registration
     options: dict[str, Any]
     found: list[FoundTarget]
-    tune_after_calls: int | None
-    calls: int = 0
+    schedule: Schedule  # which whole call records, arms, tunes; the quality gate's replay
     eager_seconds: list[float] = field(default_factory=list)
     tuned_seconds: list[float] = field(default_factory=list)
     measured: bool = False  # end_to_end came from measure_aitune (interleaved), not from plain calls
-    auto: bool = False  # targets="auto": whole components first, blocks of those that stay eager
-    rearm_at: int | None = None  # arm again after this many whole calls (the blocks of "auto" mode)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # whole calls may come from many threads
-    inside: threading.local = field(default_factory=threading.local)  # `.depth`: this thread is in a whole call
-    marker: str | None = None  # with no whole call seen: the target whose calls count as the object's calls
-    outside_calls: int = 0  # calls of `marker` outside any whole call
-    #: The latest whole call made while targets were armed (its call and `_Snapshot`): what the end-to-end quality
-    #: gate replays once reduced-precision decisions wait for it (at the end of that call, or of a later one when
-    #: they were tuned in the background).
-    gate_call: tuple[Callable[..., Any], Any] | None = None
     #: The boundary the latest whole call came through ("__call__", "encode", "generate", "decode"): what
     #: `measure_aitune()` times by default (a SentenceTransformer is used through encode(), not __call__).
     last_method: str = "__call__"
 
     @property
-    def in_whole_call(self) -> bool:
-        """True while this thread is inside a whole call (or a measurement): nested boundaries are part of it."""
-        return bool(getattr(self.inside, "depth", 0))
-
-    @contextlib.contextmanager
-    def whole_call(self) -> Iterator[None]:
-        """Mark this thread as inside a whole call for the duration of the block."""
-        self.inside.depth = 1
-        try:
-            yield
-        finally:
-            self.inside.depth = 0
+    def calls(self) -> int:
+        """Whole calls ended so far."""
+        return self.schedule.calls
 
 
 class AITuneMixin:
@@ -117,32 +98,15 @@ class AITuneMixin:
             UserInputError / InputTypeError: `targets` that do not resolve / of the wrong type.
             UsageError: aitune is already enabled here.
         """
-        from aitune_hf.backends.base import backend_names
-        from aitune_hf.errors import ConfigError, InputTypeError, UsageError
-
         # Every argument is checked before anything is registered or patched: a bad value leaves nothing behind.
         if self.__dict__.get("_aitune_state") is not None:
             raise UsageError("aitune is already enabled here; call disable_aitune() first to change its settings")
-        if tune_after_calls is not None and (
-            not isinstance(tune_after_calls, int) or isinstance(tune_after_calls, bool) or tune_after_calls < 1
-        ):
-            raise ConfigError(f"enable_aitune tune_after_calls must be an int >= 1 or None, got {tune_after_calls!r}")
-        if isinstance(component_backends, str):
-            component_backends = (component_backends,)
-        if (
-            not isinstance(component_backends, Sequence)
-            or not component_backends
-            or not all(isinstance(name, str) and name in backend_names() for name in component_backends)
-        ):
-            raise ConfigError(
-                f"enable_aitune component_backends must be a non-empty list of backend names "
-                f"({', '.join(backend_names())}), got {component_backends!r}"
-            )
-        if not (isinstance(targets, str | Sequence) or callable(targets)):
-            raise InputTypeError(
-                f"enable_aitune targets must be 'blocks', 'components', 'auto', a list of dotted module names or "
-                f"a callable, got {type(targets).__name__}: {targets!r:.60}"
-            )
+        component_backends = _check_arguments(targets, tune_after_calls, component_backends)
+        tuning_config = _tuning_config(config, backends, strategy, config_fields)
+        auto = targets == "auto"
+        found, registration = _register(
+            self, targets, tuning_config, auto_backends=component_backends if auto else None
+        )
         options = dict(
             targets=targets,
             backends=backends,
@@ -150,36 +114,12 @@ class AITuneMixin:
             config=config,
             tune_after_calls=tune_after_calls,
             component_backends=component_backends,
+            **config_fields,
         )
-        options.update(config_fields)
-        base = TuningConfig.coerce(config)
-        overrides = {k: v for k, v in {"backends": backends, "strategy": strategy}.items() if v is not None}
-        overrides.update(config_fields)
-        tuning_config = TuningConfig.coerce({**_fields(base), **overrides}) if overrides else base
-        install_slot_locators()
-        auto = targets == "auto"
-        found = find_targets(self, "components" if auto else targets)
-        registration = register(as_modules(found), tuning_config)
-        # Reduced precision serves only once the whole call that tuned it, replayed, passes the quality budget.
-        registration.gate_required = tuning_config.reduced
-        try:
-            _apply_weight_motion(registration, found)
-            if auto:
-                for component in found:
-                    allowed = set(component_backends) | (
-                        _GENERATIVE_BACKENDS if _generates(component.module) else set()
-                    )
-                    reason = f"auto mode tries whole components with {', '.join(sorted(allowed))} only"
-                    registration.targets[component.name].restrict(
-                        lambda backend, allowed=allowed: backend.name in allowed, reason
-                    )
-        except BaseException:
-            registration.detach()  # all or nothing: no target stays patched when enabling fails
-            raise
-        state = _AITuneState(registration, options, found, tune_after_calls, auto=auto)
-        self.__dict__["_aitune_state"] = state
+        schedule = Schedule(registration, type(self).__name__, tune_after_calls, auto)
+        self.__dict__["_aitune_state"] = _AITuneState(registration, options, found, schedule)
         _forget(self)
-        registration.observe_calls(functools.partial(_outside_call, state, type(self).__name__))
+        registration.observe_calls(schedule.observe)
         logger.info("aitune enabled on %s: %d target(s)", type(self).__name__, len(found))
         return registration
 
@@ -216,7 +156,7 @@ class AITuneMixin:
             )
         call = self._aitune_plain_call(method)
         eager, tuned = [], []
-        with state.whole_call():  # what the calls below reach (generate()'s forwards) is part of them, not counted
+        with state.schedule.whole_call():  # generate()'s forwards inside are part of them, not counted
             for _ in range(rounds):
                 with state.registration.bypass(), Stopwatch() as watch:
                     call(*args, **kwargs)
@@ -237,9 +177,9 @@ class AITuneMixin:
         """One whole call (`__call__`, `generate`, `encode`, `decode`). A boundary reached inside another one on
         the same thread (each forward of generate(), the decode() inside a VAE's forward) is part of it."""
         state: _AITuneState | None = self.__dict__.get("_aitune_state")
-        if state is None or state.registration.detached or state.in_whole_call:
+        if state is None or state.registration.detached or state.schedule.in_whole_call:
             return call(*args, **kwargs)
-        with state.whole_call():
+        with state.schedule.whole_call():
             return self._aitune_whole_call(state, call, args, kwargs)
 
     def _aitune_whole_call(
@@ -255,42 +195,18 @@ class AITuneMixin:
             return call(*args, **kwargs)
         tuned_before = registration.all_tuned
         untouched = not any(t.armed or t.decided for t in registration.targets.values())
-        if registration.gate_required and any(t.armed for t in registration.targets.values()):
-            snapshot = _Snapshot.take(call, args, kwargs)  # this call may tune reduced precision: the gate replays it
-            if snapshot is not None:
-                state.gate_call = (call, snapshot)
+        state.schedule.call_starts(call, args, kwargs)
         with Stopwatch() as watch:
             output = call(*args, **kwargs)
-        seconds = watch.seconds
-        if state.gate_call is not None and registration.waiting_for_gate:
-            _gate(registration, *state.gate_call)
-        with state.lock:  # each count is seen by exactly one thread, so arming happens once
-            state.calls += 1
-            calls = state.calls
+        calls = state.schedule.call_ends()
         if not state.measured:
-            # Warm calls only: the first call (lazy initialisation, cold caches) is never compared with tuned ones.
-            if untouched and calls > 1:
-                state.eager_seconds.append(seconds)
-            elif tuned_before and registration.all_tuned and not untouched:
-                state.tuned_seconds.append(seconds)
-            if state.eager_seconds and state.tuned_seconds:
-                n_eager, n_tuned = len(state.eager_seconds), len(state.tuned_seconds)
-                method = f"whole calls: {n_eager} warm before tuning (recording), {n_tuned} after; medians"
-                _record_end_to_end(state, state.eager_seconds, state.tuned_seconds, method)
-        if state.auto and state.rearm_at is None and registration.all_tuned:
-            self._aitune_descend(state)
-        if calls in (state.tune_after_calls, state.rearm_at):
-            first = calls == state.tune_after_calls
-            registration.tune(
-                f"whole call {calls} of {type(self).__name__} done "
-                + (f"(tune_after_calls={calls})" if first else "(re-armed to tune what changed)")
-            )
-        elif _new_shapes_waiting(state):
-            registration.tune(f"new input shapes recorded in whole call {calls} of {type(self).__name__}")
+            _time_whole_call(state, calls, watch.seconds, untouched=untouched, tuned_before=tuned_before)
+        state.schedule.arm_after(calls, descend=functools.partial(self._aitune_descend, state))
         return output
 
     def _aitune_descend(self, state: _AITuneState) -> None:
-        """Auto mode: replace each component that stayed eager by its blocks; they tune after the next call."""
+        """Auto mode, once every component is decided (the schedule calls it): replace each component that stayed
+        eager by its blocks; they record in the next whole call, and tune after it."""
         registration = state.registration
         blocks = find_targets(self, "blocks")
         new_found = []
@@ -305,7 +221,6 @@ class AITuneMixin:
             _apply_weight_motion(registration, inside)
             new_found += inside
         state.found = new_found
-        state.rearm_at = state.calls + 1 if state.tune_after_calls is not None else -1
 
     def _aitune_needs_eager(self, kwargs: dict[str, Any]) -> bool:
         """Calls that capture outputs from inside blocks (attention weights) must run every block eager."""
@@ -395,6 +310,67 @@ def _generates(module: Any) -> bool:
         return False
 
 
+def _check_arguments(targets: Any, tune_after_calls: Any, component_backends: Any) -> tuple[str, ...]:
+    """Check `enable_aitune`'s own arguments (the config's fields are checked by `TuningConfig`); returns
+    `component_backends` as a tuple."""
+    if tune_after_calls is not None and (
+        not isinstance(tune_after_calls, int) or isinstance(tune_after_calls, bool) or tune_after_calls < 1
+    ):
+        raise ConfigError(f"enable_aitune tune_after_calls must be an int >= 1 or None, got {tune_after_calls!r}")
+    if isinstance(component_backends, str):
+        component_backends = (component_backends,)
+    if (
+        not isinstance(component_backends, Sequence)
+        or not component_backends
+        or not all(isinstance(name, str) and name in backend_names() for name in component_backends)
+    ):
+        raise ConfigError(
+            f"enable_aitune component_backends must be a non-empty list of backend names "
+            f"({', '.join(backend_names())}), got {component_backends!r}"
+        )
+    if not (isinstance(targets, str | Sequence) or callable(targets)):
+        raise InputTypeError(
+            f"enable_aitune targets must be 'blocks', 'components', 'auto', a list of dotted module names or "
+            f"a callable, got {type(targets).__name__}: {targets!r:.60}"
+        )
+    return tuple(component_backends)
+
+
+def _tuning_config(
+    config: TuningConfig | Mapping[str, Any] | None,
+    backends: Sequence[str | Backend] | None,
+    strategy: str | Strategy | None,
+    config_fields: dict[str, Any],
+) -> TuningConfig:
+    """`config` with `backends`, `strategy` and the other fields given to `enable_aitune` put over it."""
+    base = TuningConfig.coerce(config)
+    overrides = {k: v for k, v in {"backends": backends, "strategy": strategy}.items() if v is not None}
+    overrides.update(config_fields)
+    return TuningConfig.coerce({**_fields(base), **overrides}) if overrides else base
+
+
+def _register(
+    obj: Any, targets: TargetSelection, config: TuningConfig, *, auto_backends: tuple[str, ...] | None
+) -> tuple[list[FoundTarget], Registration]:
+    """Find the targets of `obj` and register them, all or nothing, with the restrictions of offload hooks. Auto
+    mode (`auto_backends` given, else None) registers whole components, each tried with those backends only."""
+    install_slot_locators()
+    found = find_targets(obj, "components" if auto_backends is not None else targets)
+    registration = register(as_modules(found), config)
+    try:
+        _apply_weight_motion(registration, found)
+        for component in found if auto_backends is not None else ():
+            allowed = set(auto_backends) | (_GENERATIVE_BACKENDS if _generates(component.module) else set())
+            reason = f"auto mode tries whole components with {', '.join(sorted(allowed))} only"
+            registration.targets[component.name].restrict(
+                lambda backend, allowed=allowed: backend.name in allowed, reason
+            )
+    except BaseException:
+        registration.detach()  # all or nothing: no target stays patched when enabling fails
+        raise
+    return found, registration
+
+
 def _fields(config: TuningConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in TuningConfig.__dataclass_fields__}
 
@@ -410,114 +386,18 @@ def _apply_weight_motion(registration: Registration, found: list[FoundTarget]) -
             )
 
 
-def _new_shapes_waiting(state: _AITuneState) -> bool:
-    """True when tuning has run and a decided target has recorded calls that no route serves (a new shape family,
-    or a shape its build does not cover): with automatic arming, the next call tunes them."""
-    if state.tune_after_calls is None:  # manual: tune() arms
-        return False
-    return any(target.decided and target.samples for target in state.registration.targets.values())
-
-
-#: With tune_after_calls=None, calls after which a warning says that nothing tunes until tune() is called.
-_MANUAL_WARNING_CALLS = 8
-
-
-def _outside_call(state: _AITuneState, owner: str, target: str) -> None:
-    """Arming when no whole call is seen: the object's forwards are driven from elsewhere (sentence-transformers
-    calls `model.forward(...)` itself; a user's own denoising loop calls the UNet).
-
-    The rule: until the object sees a whole call, the first target called outside one marks the object's calls.
-    Its call number `tune_after_calls + 1` arms every target before it runs, so tuning happens inside that call,
-    as it would at the start of the whole call after `tune_after_calls` whole calls; each later call of it arms
-    again when calls of new shapes are waiting (as each whole call does). Once the object has seen a whole call,
-    whole calls arm and this observer removes itself. With `tune_after_calls=None`, one warning after
-    `_MANUAL_WARNING_CALLS` calls says that nothing tunes until `aitune.tune()` is called."""
-    registration = state.registration
-    if state.calls:  # whole calls are seen (they arm): off the hot path from the first call after one
-        registration.observe_calls(None)
-        return
-    marker = state.marker  # read without the lock: only the marker's calls count (every target's call comes here)
-    if (marker is not None and target != marker) or state.in_whole_call or registration.bypassed:
-        return
-    with state.lock:
-        if state.marker is None:
-            state.marker = target
-        if target != state.marker:
-            return
-        state.outside_calls += 1
-        count = state.outside_calls
-    if count > (state.tune_after_calls or 0) + 1 and _new_shapes_waiting(state):
-        registration.tune(f"new input shapes recorded in call {count} of {target}")
-    elif state.tune_after_calls is None:
-        if count == _MANUAL_WARNING_CALLS:
-            registration.observe_calls(None)
-            if not any(t.armed or t.decided for t in registration.targets.values()):
-                logger.warning(
-                    "aitune_hf on %s: %d calls recorded and nothing tunes: it was enabled with "
-                    "tune_after_calls=None, so tuning waits for .aitune.tune()",
-                    owner,
-                    count,
-                )
-    elif count == state.tune_after_calls + 1:
-        logger.info(
-            "aitune_hf on %s: no whole call seen (its forwards are called directly); arming at call %d of %s",
-            owner,
-            count,
-            target,
-        )
-        registration.tune(f"call {count} of {target} (tune_after_calls={state.tune_after_calls})")
-
-
-@dataclass
-class _Snapshot:
-    """A whole call's inputs, deep copies (tensors, the user's generator in its state at the call's start): what the
-    end-to-end quality gate replays, eager and tuned, to compare the two.
-
-    A call that takes a `generator` (a Diffusers pipeline) and was given none draws its noise from torch's default
-    generator; each replay is given a private one, seeded alike, instead: the eager and the tuned replay see the same
-    noise, and neither moves the default generator, which other calls draw from (in this thread, or in others while
-    this one gates)."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-    @classmethod
-    def take(cls, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Snapshot | None:
-        import torch
-
-        try:
-            with torch.no_grad():
-                copied_args, copied_kwargs = copy.deepcopy((args, kwargs))
-        except Exception as error:  # an input deepcopy refuses: reduced precision then never serves (the fallback does)
-            logger.warning("the end-to-end quality gate cannot copy this call (%s); reduced precision waits", error)
-            return None
-        if copied_kwargs.get("generator") is None and _takes(call, "generator"):
-            copied_kwargs["generator"] = torch.Generator().manual_seed(0)
-        return cls(copied_args, copied_kwargs)
-
-    def replay(self, call: Callable[..., Any]) -> Any:
-        args, kwargs = copy.deepcopy((self.args, self.kwargs))
-        return call(*args, **kwargs)
-
-
-def _takes(call: Callable[..., Any], name: str) -> bool:
-    import inspect
-
-    try:
-        return name in inspect.signature(call).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _gate(registration: Registration, call: Callable[..., Any], snapshot: _Snapshot) -> None:
-    """Replay the call that tuned eager (the fp32 reference), then with the reduced-precision decisions serving, and
-    keep those whose whole output stays within `quality` (`Registration.gate`). The seconds count as tuning."""
-    with Stopwatch() as watch:
-        with registration.bypass():
-            reference = snapshot.replay(call)
-        registration.gate(reference, lambda: snapshot.replay(call))
-    if registration.quality is not None:
-        registration.quality["seconds"] = registration.quality.get("seconds", 0.0) + watch.seconds
+def _time_whole_call(state: _AITuneState, calls: int, seconds: float, *, untouched: bool, tuned_before: bool) -> None:
+    """Keep a whole call's seconds for the end-to-end line: as eager where no target was armed or decided when it
+    began (warm calls only: the first call, lazy initialisation and cold caches, is never compared with tuned ones),
+    as tuned where every target was decided before and after it."""
+    if untouched and calls > 1:
+        state.eager_seconds.append(seconds)
+    elif tuned_before and state.registration.all_tuned and not untouched:
+        state.tuned_seconds.append(seconds)
+    if state.eager_seconds and state.tuned_seconds:
+        n_eager, n_tuned = len(state.eager_seconds), len(state.tuned_seconds)
+        method = f"whole calls: {n_eager} warm before tuning (recording), {n_tuned} after; medians"
+        _record_end_to_end(state, state.eager_seconds, state.tuned_seconds, method)
 
 
 def _record_end_to_end(state: _AITuneState, eager: list[float], tuned: list[float], method: str) -> dict[str, Any]:

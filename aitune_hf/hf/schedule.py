@@ -1,0 +1,293 @@
+"""Whole-call arming: which whole call records, which one arms tuning, and when the quality gate replays one.
+
+A whole call is a call a user makes of a pipeline or model: its `__call__`, a model's `generate()`, a VAE's
+`encode()` / `decode()` (`AITuneMixin._aitune_call` brings them here; a boundary reached inside another one on
+the same thread is part of it). Each object with aitune enabled has one `Schedule`, an explicit state machine
+over its whole calls (`Phase`); these are its only moves (`_TRANSITIONS`):
+
+    RECORDING -> ARMED      at the end of whole call `tune_after_calls`, which arms every target: they tune at their
+                            next forward (inside the next call, or on the background worker)
+    RECORDING -> SERVING    every target decided before that (from the cache, or kept eager by offload)
+    ARMED     -> SERVING    every target decided
+    (either)  -> DESCENDED  the same two, with targets="auto": the mixin replaces the components that stayed eager by
+                            their blocks, which record in the next whole call
+    DESCENDED -> SERVING    at the end of that next whole call, which arms the blocks (where arming is automatic)
+
+Two rules hold in every phase where arming is automatic (`tune_after_calls` is an int): the end of whole call
+number `tune_after_calls` arms, even where the phase moved on before it (every component decided at
+registration, from the cache or kept eager by offload); and the end of a whole call that recorded input shapes no
+route serves (a new shape family) arms again, so that the next call tunes them. With `tune_after_calls=None`
+nothing here arms: `aitune.tune()` does.
+
+Where no whole call is ever seen (sentence-transformers calls the model's `forward` itself), the first target
+called outside one marks the object's calls (`observe`): its call number `tune_after_calls + 1` arms before it
+runs (RECORDING -> ARMED), as the end of whole call `tune_after_calls` would have.
+
+Reduced precision (`TuningConfig.reduced`) serves only once a whole call that tuned it, replayed, passes the
+end-to-end quality budget: a whole call made while targets are armed is kept (`_Snapshot`), and replayed at the
+end of the call where decisions wait for the gate (that call, or a later one when the tuning ran in the
+background).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import enum
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from aitune_hf.core.registration import Registration
+from aitune_hf.core.timing import Stopwatch
+
+#: Arming is reported on the mixin's logger, where it always was (users and docs filter on it).
+logger = logging.getLogger("aitune_hf.hf.mixin")
+
+#: With tune_after_calls=None and no whole call seen: calls after which a warning says nothing tunes until tune().
+MANUAL_WARNING_CALLS = 8
+
+
+class Phase(enum.Enum):
+    """Where an object's whole calls stand (the module docstring says when each move happens)."""
+
+    RECORDING = "recording"  # targets record; the end of call `tune_after_calls` arms (None: only tune() arms)
+    ARMED = "armed"  # armed by the schedule: calls tune until every target is decided
+    DESCENDED = "descended"  # targets="auto": eager components gave way to their blocks; the next call's end arms
+    SERVING = "serving"  # the schedule has nothing left to arm but new shapes
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_P = Phase
+_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    _P.RECORDING: frozenset({_P.ARMED, _P.DESCENDED, _P.SERVING}),
+    _P.ARMED: frozenset({_P.DESCENDED, _P.SERVING}),
+    _P.DESCENDED: frozenset({_P.SERVING}),
+    _P.SERVING: frozenset(),
+}
+
+
+class Schedule:
+    """The whole-call state machine of one object (`Phase`): it counts whole calls, arms its `registration`, and
+    runs the end-to-end quality gate.
+
+    Args:
+        registration: what it arms (`Registration.tune`).
+        owner: the object's class name, for the log.
+        tune_after_calls: the whole call whose end arms; None: only `aitune.tune()` arms.
+        auto: targets="auto": once every component is decided, the mixin replaces those that stayed eager by
+            their blocks (the `descend` given to `arm_after`), and the end of the next call arms them.
+    """
+
+    def __init__(self, registration: Registration, owner: str, tune_after_calls: int | None, auto: bool) -> None:
+        self.registration = registration
+        self.owner = owner
+        self.tune_after_calls = tune_after_calls
+        self.auto = auto
+        # Reduced precision serves only once the whole call that tuned it, replayed, passes the quality budget.
+        registration.gate_required = registration.config.reduced
+        self._phase = Phase.RECORDING
+        self._calls = 0  # whole calls ended
+        self._descended_at = 0  # the whole call at whose end the phase became DESCENDED
+        self._marker: str | None = None  # with no whole call seen: the target whose calls count as the object's
+        self._outside_calls = 0  # calls of `_marker` outside any whole call
+        #: The latest whole call made while targets were armed (its call and `_Snapshot`): what the quality gate
+        #: replays once reduced-precision decisions wait for it.
+        self._gate_call: tuple[Callable[..., Any], _Snapshot] | None = None
+        self._lock = threading.Lock()  # whole calls may come from many threads: each count is seen by one
+        self._inside = threading.local()  # `.depth`: this thread is in a whole call
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def calls(self) -> int:
+        """Whole calls ended so far."""
+        return self._calls
+
+    @property
+    def automatic(self) -> bool:
+        """True when the schedule arms by itself (`tune_after_calls` is an int), False when only tune() arms."""
+        return self.tune_after_calls is not None
+
+    def _move(self, to: Phase) -> None:
+        if to is not self._phase and to not in _TRANSITIONS[self._phase]:
+            raise AssertionError(f"{self.owner}: no whole-call transition {self._phase} -> {to}")
+        self._phase = to
+
+    # -- the boundary ------------------------------------------------------------------------------------
+    @property
+    def in_whole_call(self) -> bool:
+        """True while this thread is inside a whole call (or a measurement): nested boundaries are part of it."""
+        return bool(getattr(self._inside, "depth", 0))
+
+    @contextlib.contextmanager
+    def whole_call(self) -> Iterator[None]:
+        """Mark this thread as inside a whole call for the duration of the block."""
+        self._inside.depth = 1
+        try:
+            yield
+        finally:
+            self._inside.depth = 0
+
+    # -- a whole call, in order: call_starts, the call, call_ends ------------------------------------------
+    def call_starts(self, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Keep a copy of this call for the quality gate when it may tune reduced precision (targets are armed)."""
+        registration = self.registration
+        if registration.gate_required and any(t.armed for t in registration.targets.values()):
+            snapshot = _Snapshot.take(call, args, kwargs)
+            if snapshot is not None:
+                self._gate_call = (call, snapshot)
+
+    def call_ends(self) -> int:
+        """After the call: run the quality gate where decisions wait for it, and count the call; returns its
+        number (each number is returned to exactly one thread)."""
+        if self._gate_call is not None and self.registration.waiting_for_gate:
+            _gate(self.registration, *self._gate_call)
+        with self._lock:
+            self._calls += 1
+            return self._calls
+
+    def arm_after(self, calls: int, descend: Callable[[], None]) -> None:
+        """Move on after whole call number `calls` (from `call_ends`) and arm where the phase or a rule says so.
+
+        `descend` (targets="auto") replaces the components that stayed eager by their blocks; it runs once, when
+        every component is decided, before this call's arming (which arms the new blocks too)."""
+        registration = self.registration
+        with self._lock:  # one thread moves the phase at a time; descend and tune run outside the lock
+            descends = False
+            if self._phase in (Phase.RECORDING, Phase.ARMED) and registration.all_tuned:
+                descends = self.auto
+                self._move(Phase.DESCENDED if descends else Phase.SERVING)
+                if descends:
+                    self._descended_at = calls
+        if descends:
+            descend()
+        with self._lock:
+            due = self._phase is Phase.DESCENDED and calls > self._descended_at  # the call after the descent
+            if due:
+                self._move(Phase.SERVING)
+            if calls == self.tune_after_calls and self._phase is Phase.RECORDING:
+                self._move(Phase.ARMED)
+        if calls == self.tune_after_calls:
+            registration.tune(f"whole call {calls} of {self.owner} done (tune_after_calls={calls})")
+        elif due and self.automatic:
+            registration.tune(f"whole call {calls} of {self.owner} done (re-armed to tune what changed)")
+        elif self._new_shapes_waiting():
+            registration.tune(f"new input shapes recorded in whole call {calls} of {self.owner}")
+
+    def _new_shapes_waiting(self) -> bool:
+        """True when a decided target has recorded calls that no route serves (a new shape family, or a shape its
+        build does not cover): with automatic arming, the next call tunes them."""
+        if not self.automatic:
+            return False
+        return any(target.decided and target.samples for target in self.registration.targets.values())
+
+    # -- no whole call seen ---------------------------------------------------------------------------------
+    def observe(self, target: str) -> None:
+        """The observer of every routed call (`Registration.observe_calls`): arming when no whole call is seen,
+        because the object's forwards are driven from elsewhere (sentence-transformers calls `model.forward(...)`
+        itself; a user's own denoising loop calls the UNet).
+
+        Until the object sees a whole call, the first target called outside one marks the object's calls. Its call
+        number `tune_after_calls + 1` arms every target before it runs, so tuning happens inside that call, as it
+        would at the start of the whole call after `tune_after_calls` whole calls; each later call of it arms again
+        when calls of new shapes are waiting (as each whole call does). Once the object has seen a whole call, whole
+        calls arm and this observer removes itself. With `tune_after_calls=None`, one warning after
+        `MANUAL_WARNING_CALLS` calls says that nothing tunes until `aitune.tune()` is called."""
+        registration = self.registration
+        if self._calls:  # whole calls are seen (they arm): off the hot path from the first call after one
+            registration.observe_calls(None)
+            return
+        marker = self._marker  # read without the lock: only the marker's calls count (every target's call comes here)
+        if (marker is not None and target != marker) or self.in_whole_call or registration.bypassed:
+            return
+        with self._lock:
+            if self._marker is None:
+                self._marker = target
+            if target != self._marker:
+                return
+            self._outside_calls += 1
+            count = self._outside_calls
+            after = self.tune_after_calls
+            first = after is not None and count == after + 1
+            if first and self._phase is Phase.RECORDING:
+                self._move(Phase.ARMED)
+        if after is None:
+            if count == MANUAL_WARNING_CALLS:
+                registration.observe_calls(None)
+                if not any(t.armed or t.decided for t in registration.targets.values()):
+                    logger.warning(
+                        "aitune_hf on %s: %d calls recorded and nothing tunes: it was enabled with "
+                        "tune_after_calls=None, so tuning waits for .aitune.tune()",
+                        self.owner,
+                        count,
+                    )
+        elif first:
+            logger.info(
+                "aitune_hf on %s: no whole call seen (its forwards are called directly); arming at call %d of %s",
+                self.owner,
+                count,
+                target,
+            )
+            registration.tune(f"call {count} of {target} (tune_after_calls={after})")
+        elif count > after + 1 and self._new_shapes_waiting():
+            registration.tune(f"new input shapes recorded in call {count} of {target}")
+
+
+# -- the end-to-end quality gate -------------------------------------------------------------------------------
+@dataclass
+class _Snapshot:
+    """A whole call's inputs, deep copies (tensors, the user's generator in its state at the call's start): what the
+    end-to-end quality gate replays, eager and tuned, to compare the two.
+
+    A call that takes a `generator` (a Diffusers pipeline) and was given none draws its noise from torch's default
+    generator; each replay is given a private one, seeded alike, instead: the eager and the tuned replay see the same
+    noise, and neither moves the default generator, which other calls draw from (in this thread, or in others while
+    this one gates)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @classmethod
+    def take(cls, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Snapshot | None:
+        import torch
+
+        try:
+            with torch.no_grad():
+                copied_args, copied_kwargs = copy.deepcopy((args, kwargs))
+        except Exception as error:  # an input deepcopy refuses: reduced precision then never serves (the fallback does)
+            logger.warning("the end-to-end quality gate cannot copy this call (%s); reduced precision waits", error)
+            return None
+        if copied_kwargs.get("generator") is None and _takes(call, "generator"):
+            copied_kwargs["generator"] = torch.Generator().manual_seed(0)
+        return cls(copied_args, copied_kwargs)
+
+    def replay(self, call: Callable[..., Any]) -> Any:
+        args, kwargs = copy.deepcopy((self.args, self.kwargs))
+        return call(*args, **kwargs)
+
+
+def _takes(call: Callable[..., Any], name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _gate(registration: Registration, call: Callable[..., Any], snapshot: _Snapshot) -> None:
+    """Replay the call that tuned eager (the fp32 reference), then with the reduced-precision decisions serving, and
+    keep those whose whole output stays within `quality` (`Registration.gate`). The seconds count as tuning."""
+    with Stopwatch() as watch:
+        with registration.bypass():
+            reference = snapshot.replay(call)
+        registration.gate(reference, lambda: snapshot.replay(call))
+    if registration.quality is not None:
+        registration.quality["seconds"] = registration.quality.get("seconds", 0.0) + watch.seconds

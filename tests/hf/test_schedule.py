@@ -1,0 +1,83 @@
+"""The whole-call schedule (`aitune_hf/hf/schedule.py`) as a state machine: real whole calls of a tiny model move it
+record -> arm -> serve (auto mode through its descent into blocks), and a move outside its table raises."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import aitune_hf
+from aitune_hf.hf.schedule import Phase, Schedule
+
+#: No candidate backend: every target decides eager at once, so the test is about the schedule, not about tuning.
+NOTHING_TO_TRY: dict[str, Any] = {"backends": [], "progress": False}
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.fc(x))
+
+
+class TwoBlocks(torch.nn.Module):
+    _repeated_blocks = ["Block"]  # what discovery reads to find the blocks of a model
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _phases(targets: str, calls: int, **options: Any) -> tuple[list[tuple[Phase, dict[str, int]]], Schedule]:
+    """The schedule's phase and the targets' states after each of `calls` whole calls."""
+    torch.manual_seed(0)
+    model = TwoBlocks().eval()
+    registration = aitune_hf.enable_aitune(model, targets, **NOTHING_TO_TRY, **options)
+    schedule = model.__dict__["_aitune_state"].schedule
+    seen = []
+    with torch.no_grad():
+        for _ in range(calls):
+            model(torch.randn(2, 8))
+            seen.append((schedule.phase, registration.state_counts))
+    model.disable_aitune()
+    return seen, schedule
+
+
+def test_whole_calls_record_then_arm_then_serve() -> None:
+    seen, _ = _phases("blocks", 3)
+    assert seen == [
+        (Phase.ARMED, {"armed": 2}),  # the first call recorded; its end armed
+        (Phase.SERVING, {"eager": 2}),  # the second tuned (nothing to try: eager) and every target is decided
+        (Phase.SERVING, {"eager": 2}),
+    ]
+
+
+def test_auto_mode_descends_into_the_blocks_of_an_eager_component_and_arms_them_after_one_call() -> None:
+    seen, _ = _phases("auto", 4)
+    assert seen == [
+        (Phase.ARMED, {"armed": 1}),  # the model as one component
+        (Phase.DESCENDED, {"idle": 2}),  # it stayed eager: its two blocks replace it
+        (Phase.SERVING, {"armed": 2}),  # they recorded in this call; its end armed them
+        (Phase.SERVING, {"eager": 2}),
+    ]
+
+
+def test_with_manual_arming_the_schedule_arms_nothing() -> None:
+    seen, schedule = _phases("blocks", 3, tune_after_calls=None)
+    assert seen == [(Phase.RECORDING, {"recording": 2})] * 3 and schedule.calls == 3
+
+
+def test_a_move_outside_the_table_raises() -> None:
+    _, schedule = _phases("blocks", 2)
+    assert schedule.phase is Phase.SERVING
+    with pytest.raises(AssertionError, match="no whole-call transition serving -> armed"):
+        schedule._move(Phase.ARMED)
