@@ -7,11 +7,17 @@ the forward to reproduce, and sample calls as plain ``(args, kwargs)`` pairs, an
 from __future__ import annotations
 
 import abc
+import atexit
 import contextlib
 import contextvars
 import dataclasses
 import functools
 import importlib
+import os
+import pickle
+import subprocess
+import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -20,7 +26,7 @@ from typing import Any
 
 import torch
 
-from aitune_hf.errors import InputTypeError, UserInputError
+from aitune_hf.errors import InputTypeError, TuningError, UserInputError
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 #: Call leaves that are plain values (compared and copied by value); a leaf that is neither one of these nor a
@@ -214,3 +220,144 @@ def get_backend(spec: str | Backend) -> Backend:
     if spec not in _REGISTRY:
         raise UserInputError(f"unknown backend {spec!r}; valid names: {', '.join(backend_names())}")
     return _REGISTRY[spec]()
+
+
+# -- the build process: a private build's heavy steps outside this process --------------------------------------------
+#
+# Why: in background tuning (issue 20) a build shares the process with the threads that serve requests, and C++ steps
+# of a build (an ONNX export's serialisation, a quantization, ONNX Runtime's graph optimisation) hold the GIL for up
+# to seconds, which no yielding in Python can break up: a request then waits for them. Run there, they cost the
+# serving threads a core at most, never the GIL.
+#
+# One worker per process, started on first use and kept (its start, an interpreter importing torch, is paid once),
+# ended at exit or when this process's end closes its pipe. Its own interpreter, started with `subprocess` and not
+# `multiprocessing`: the spawn start method would import this process's main module again in the worker (a serving
+# framework's worker script, a notebook), and fork would copy the threads' locks. It runs one torch thread, at a
+# lower priority (nice 10), with no GPU visible: it builds for CPUs only. Calls are serialised (one tuning at a time
+# in the process, as ever); what it returns is plain data (paths, numbers).
+
+BUILD_PROCESS_NICE = 10
+_WORKER_MAIN = "from aitune_hf.backends.base import _serve_builds; _serve_builds()"
+_worker_lock = threading.Lock()
+_worker: subprocess.Popen[bytes] | None = None
+_worker_pipes: tuple[Any, Any] | None = None  # (to the worker, from the worker): multiprocessing Connections
+
+
+def run_in_build_process(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in this process's build worker (see above); returns its result.
+
+    `fn` and `args` go by pickle: `fn` a module-level function, the arguments anything the worker can unpickle
+    with this process's `sys.path` (a class defined in `__main__` or inside a function cannot). Raises what pickling
+    raises (nothing started then) and `TuningError` when `fn` raised in the worker or the worker ended; the worker is
+    started again on the next call."""
+    global _worker, _worker_pipes
+    message = pickle.dumps((list(sys.path), pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)))
+    with _worker_lock:
+        if _worker is None or _worker.poll() is not None:
+            _start_build_process()
+        assert _worker is not None and _worker_pipes is not None
+        to_worker, from_worker = _worker_pipes
+        try:
+            to_worker.send_bytes(message)
+            reply = from_worker.recv_bytes()  # waits without the GIL
+        except BaseException as error:  # the worker died, or this thread was interrupted mid-call: start afresh
+            code = _stop_build_process()
+            if isinstance(error, Exception):
+                raise TuningError(f"the build process ended (exit code {code}) before it answered") from error
+            raise
+    status, value = pickle.loads(reply)
+    if status != "ok":
+        raise TuningError(f"in the build process: {value}")
+    return value
+
+
+def build_process_pid() -> int | None:
+    """The build worker's process id while it runs, else None."""
+    with _worker_lock:
+        return _worker.pid if _worker is not None and _worker.poll() is None else None
+
+
+def _start_build_process() -> None:
+    global _worker, _worker_pipes
+    from multiprocessing.connection import Connection
+
+    to_read, to_write = os.pipe()  # this process -> worker
+    from_read, from_write = os.pipe()  # worker -> this process
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "CUDA_VISIBLE_DEVICES": "",  # never initialise a GPU: the worker builds for CPUs only
+    }
+    try:
+        _worker = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_MAIN, str(to_read), str(from_write)],
+            pass_fds=(to_read, from_write), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, env=env, start_new_session=True,  # a Ctrl-C of the terminal is this process's
+        )  # fmt: skip
+    except BaseException:
+        for fd in (to_read, to_write, from_read, from_write):
+            os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):  # the worker's ends (closed above when Popen failed)
+            os.close(to_read)
+            os.close(from_write)
+    _worker_pipes = (Connection(to_write, readable=False), Connection(from_read, writable=False))
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(_stop_build_process_at_exit)
+        _atexit_registered = True
+
+
+_atexit_registered = False
+
+
+def _stop_build_process() -> int | None:
+    """Closes the pipes (the worker ends when it reads their end) and reaps the worker; its exit code."""
+    global _worker, _worker_pipes
+    worker, pipes = _worker, _worker_pipes
+    _worker = _worker_pipes = None
+    for pipe in pipes or ():
+        pipe.close()
+    if worker is None:
+        return None
+    try:
+        return worker.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # busy with a build nobody waits for any more
+        worker.kill()
+        return worker.wait()
+
+
+def _stop_build_process_at_exit() -> None:
+    with _worker_lock:
+        _stop_build_process()
+
+
+def _serve_builds() -> None:
+    """The worker's loop: a call per message, until the pipe from the parent ends."""
+    from multiprocessing.connection import Connection
+
+    with contextlib.suppress(OSError):
+        os.nice(BUILD_PROCESS_NICE)
+    torch.set_num_threads(1)
+    inbox = Connection(int(sys.argv[1]), writable=False)
+    outbox = Connection(int(sys.argv[2]), readable=False)
+    while True:
+        try:
+            message = inbox.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            path, call = pickle.loads(message)
+            sys.path[:0] = [entry for entry in path if entry not in sys.path]
+            fn, args = pickle.loads(call)
+            reply: tuple[str, Any] = ("ok", fn(*args))
+        except BaseException as error:  # reported to the parent, which falls back to building itself
+            reply = ("error", f"{type(error).__name__}: {error}")
+        try:
+            data = pickle.dumps(reply)
+        except Exception as error:
+            data = pickle.dumps(("error", f"the result cannot be pickled: {error}"))
+        outbox.send_bytes(data)

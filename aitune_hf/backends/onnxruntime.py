@@ -13,6 +13,8 @@ import copy
 import importlib
 import importlib.util
 import logging
+import os
+import pickle
 import shutil
 import tempfile
 import threading
@@ -35,6 +37,7 @@ from aitune_hf.backends.base import (
     current_build,
     installed_version,
     register_backend,
+    run_in_build_process,
 )
 from aitune_hf.errors import ConfigError
 
@@ -196,43 +199,33 @@ class OnnxRuntimeBackend(Backend):
         output_names = [f"output_{i}" for i in range(len(out_tensor_positions))]
         device = next(leaf.device for leaf in in_leaves if isinstance(leaf, torch.Tensor))
 
+        names = (weight_names, input_names, output_names)
+
         def export(dims: list[frozenset[int]] | None) -> Any:
             # The exporter swaps the module's parameters for fake tensors while it traces: export a private copy,
             # so that other threads can keep calling the user's module meanwhile. The session reads nothing of it.
             # A fresh copy and fresh example tensors per attempt: a failed trace leaves symbolic state on them.
             twin, twin_forward = _private_twin(module, forward)
-            flat = _FlatForward(twin, twin_forward, in_leaves, in_spec, tensor_positions, list(weights))
-            flat = flat.train(module.training)
-            # Weights are passed as they are (no copy) unless they are inference tensors, which the exporter
-            # cannot take outside inference mode; tied weights are passed once per name.
-            example = tuple(w.clone() if w.is_inference() else w.detach() for w in weights.values())
-            # Row-major examples: the exporter cannot take every layout (channels-last, transposed views); the graph
-            # does not depend on it, and `_cpu_array` feeds the session row-major copies of such inputs.
-            example += tuple(in_leaves[i].clone(memory_format=torch.contiguous_format) for i in tensor_positions)
-            dynamic_shapes = None
-            if dims is not None:
-                auto = torch.export.Dim.AUTO
-                dynamic_shapes = (tuple(None for _ in weights) + tuple({d: auto for d in f} or None for f in dims),)
-            return torch.onnx.export(
-                flat,
-                example,
-                dynamic_shapes=dynamic_shapes,
-                input_names=weight_names + input_names,
-                output_names=output_names,
-                opset_version=self.opset_version,
-                dynamo=True,
-                optimize=True,
-                verbose=False,  # no "[torch.onnx] ..." progress lines (the exporter's only prints to stdout)
-                report=False,
-                dump_exported_program=False,
-            )
+            return _export_flat(twin, twin_forward, weights, in_leaves, in_spec, tensor_positions, module.training,
+                                dims, names, self.opset_version)  # fmt: skip
 
         place, sibling_build = current_build().place, current_build().sibling
         cached = place.load(self, bakes) if place is not None else None
         large = bakes and _needs_external_data(module)
+        providers = self.providers or (
+            ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.type == "cuda" else ["CPUExecutionProvider"]
+        )
+        # Background tuning: the heavy steps (export, int8 quantization, graph optimisation) run in the build process
+        # (`backends/base.py`), which holds no GIL of this one; `worker` keeps what it made (None: all of it here).
+        offload = current_build().private_only and device.type == "cpu" and not large
+        offload = offload and providers == ["CPUExecutionProvider"]
+        worker: _WorkerBuild | None = None
         program = None
+        exported = False
         if cached is not None:  # a model this backend exported before, for this module, signature and weights
             model, path, cleanup = str(cached / _MODEL_FILE), cached / _MODEL_FILE, None
+            if offload:
+                worker = _WorkerBuild.run(source=cached / _MODEL_FILE, int8=False)
         else:
             # An identical sibling's export (same class, weight shapes and call) with this module's weights put in,
             # when the core applies that sibling's decision (it checks the result, and exports afresh if it fails).
@@ -243,9 +236,18 @@ class OnnxRuntimeBackend(Backend):
             shared = current_build().shared
             if proto is None and shared is not None:  # the export another precision's build of this call made
                 proto = shared.get(("onnx_export", call_key))
+            attempts = _dynamic_attempts(samples) if dynamic else [None]
+            if proto is None and offload:
+                worker = _WorkerBuild.export(
+                    module, forward, weights, in_leaves, in_spec, tensor_positions, attempts, names,
+                    self.opset_version, int8=self.precision == "int8",
+                )  # fmt: skip
+                if worker is not None:
+                    proto, exported = worker.exported_proto(), True
+            elif offload:
+                worker = _WorkerBuild.run(source=proto, int8=self.precision == "int8")
             if proto is None:
                 with _exporting(), torch.inference_mode(False), torch.no_grad():
-                    attempts = _dynamic_attempts(samples) if dynamic else [None]
                     for attempt, dims in enumerate(attempts):
                         try:
                             program = export(dims)
@@ -254,8 +256,9 @@ class OnnxRuntimeBackend(Backend):
                             if attempt == len(attempts) - 1:
                                 raise
                             logger.debug("export with dynamic dims %s failed; trying fewer", dims, exc_info=True)
-                if shared is not None:  # for the other precision's build of this call, in this tuning
-                    shared[("onnx_export", call_key)] = program.model_proto
+                exported = True
+            if exported and shared is not None:  # for the other precision's build of this call, in this tuning
+                shared[("onnx_export", call_key)] = proto if proto is not None else program.model_proto
             if sibling is not None and skeleton is None:  # this export, for the identical siblings to come
                 proto = proto if proto is not None else program.model_proto
                 skeleton = _quietly(_Skeleton.of, proto, module)
@@ -263,10 +266,13 @@ class OnnxRuntimeBackend(Backend):
                     self._skeletons[sibling] = skeleton
                     while len(self._skeletons) > _SKELETONS_KEPT:
                         self._skeletons.pop(next(iter(self._skeletons)))
-            if self.precision == "int8":
-                with _exporting():
-                    proto, program = _quantize_int8(proto if proto is not None else program.model_proto), None
-            model, path, cleanup = self._place(proto, program, module, large, place)
+            if worker is not None:  # the model the worker made (quantized when asked) is the one to keep
+                model, path, cleanup = self._place(None, None, module, large, place, file=worker.model)
+            else:
+                if self.precision == "int8":
+                    with _exporting():
+                        proto, program = _quantize_int8(proto if proto is not None else program.model_proto), None
+                model, path, cleanup = self._place(proto, program, module, large, place)
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = self.intra_op_num_threads or torch.get_num_threads()
         options.inter_op_num_threads = 1
@@ -278,18 +284,22 @@ class OnnxRuntimeBackend(Backend):
             options.enable_cpu_mem_arena = False
         # Idle ORT threads must not spin: many sessions (one per block) share the cores with torch.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers = self.providers or (
-            ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.type == "cuda" else ["CPUExecutionProvider"]
-        )
         if device.type == "cuda":
             providers = [
                 (p, {"device_id": device.index or 0}) if p == "CUDAExecutionProvider" else p for p in providers
             ]
-        session = onnxruntime.InferenceSession(model, options, providers=providers)
+        if worker is not None:  # optimised there already: here only the (cheap) loading
+            options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+            model = worker.optimized
+        try:
+            session = onnxruntime.InferenceSession(model, options, providers=providers)
+        finally:
+            if worker is not None:
+                worker.remove()
         if cached is not None:
             _check_interface(session, weight_names + input_names, output_names)
         runner = _SessionRunner(
-            source="cache" if cached is not None else "export" if program is not None else "sibling",
+            source="cache" if cached is not None else "export" if exported else "sibling",
             session=session,
             device=device,
             input_positions={name: tensor_positions[i] for i, name in enumerate(input_names)},
@@ -301,6 +311,7 @@ class OnnxRuntimeBackend(Backend):
             out_tensor_positions=out_tensor_positions,
             out_shapes=None if dynamic else [tuple(out_leaves[i].shape) for i in out_tensor_positions],
             out_dtypes=[out_leaves[i].dtype for i in out_tensor_positions],
+            built_in=worker.pid if worker is not None else None,
         )
         if cleanup is not None:  # a temporary folder lives as long as the session that reads it
             weakref.finalize(runner, shutil.rmtree, cleanup, ignore_errors=True)
@@ -311,12 +322,21 @@ class OnnxRuntimeBackend(Backend):
         )
 
     def _place(
-        self, proto: Any, program: Any, module: torch.nn.Module, large: bool, place: ArtifactPlace | None
+        self,
+        proto: Any,
+        program: Any,
+        module: torch.nn.Module,
+        large: bool,
+        place: ArtifactPlace | None,
+        file: Path | None = None,
     ) -> tuple[Any, Path | None, Path | None]:
-        """Where the session reads the model (`proto`, else the exported `program`) from: the cache's staging
-        folder, `artifact_dir` when set, else memory (or, past protobuf's 2 GB limit, a temporary folder removed
-        with the session). Returns (model, saved path, folder to remove)."""
+        """Where the session reads the model (`proto`, else the exported `program`, else the model `file` the build
+        process wrote) from: the cache's staging folder, `artifact_dir` when set, else memory (or, past protobuf's
+        2 GB limit, a temporary folder removed with the session). Returns (model, saved path, folder to remove);
+        the model is None for a `file` kept nowhere (the session reads the build process's optimised model)."""
         if place is None and self.artifact_dir is None and not large:
+            if file is not None:
+                return None, None, None
             return (proto if proto is not None else program.model_proto).SerializeToString(), None, None
         if place is not None:
             directory, cleanup = place.save(), None
@@ -326,7 +346,9 @@ class OnnxRuntimeBackend(Backend):
             directory.mkdir(parents=True, exist_ok=True)
             path = directory / f"{type(module).__name__}_{id(module):x}_{len(list(directory.iterdir()))}.onnx"
             cleanup = None if self.artifact_dir else directory
-        if proto is not None:
+        if file is not None:
+            shutil.copyfile(file, path)
+        elif proto is not None:
             import onnx
 
             onnx.save_model(proto, str(path))
@@ -343,16 +365,22 @@ def _quantize_int8(proto: Any) -> Any:
     """`proto` with its MatMul and Gemm nodes quantized dynamically: int8 weights per output channel, uint8
     activations (U8S8); the rest, convolutions included, stays fp32."""
     import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
 
     with tempfile.TemporaryDirectory(prefix="aitune_hf_int8_") as folder:
         source, target = Path(folder) / "fp32.onnx", Path(folder) / "int8.onnx"
         onnx.save_model(proto, str(source))
-        quantize_dynamic(
-            source, target, op_types_to_quantize=["MatMul", "Gemm"], per_channel=True, weight_type=QuantType.QInt8,
-            extra_options={"MatMulConstBOnly": True},
-        )  # fmt: skip
+        _quantize_int8_file(source, target)
         return onnx.load_model(str(target))
+
+
+def _quantize_int8_file(source: Path, target: Path) -> None:
+    """`_quantize_int8` from model file to model file."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(
+        source, target, op_types_to_quantize=["MatMul", "Gemm"], per_channel=True, weight_type=QuantType.QInt8,
+        extra_options={"MatMulConstBOnly": True},
+    )  # fmt: skip
 
 
 def _sibling_key(module: torch.nn.Module, leaves: list[Any], spec: Any, dynamic: bool) -> tuple[Any, ...]:
@@ -506,6 +534,178 @@ def _free_dims(session: Any, input_names: list[str], tensors: list[torch.Tensor]
     return tuple(free)
 
 
+def _export_flat(
+    twin: torch.nn.Module,
+    twin_forward: Callable[..., Any],
+    weights: dict[str, torch.Tensor],
+    in_leaves: list[Any],
+    in_spec: pytree.TreeSpec,
+    tensor_positions: list[int],
+    training: bool,
+    dims: list[frozenset[int]] | None,
+    names: tuple[list[str], list[str], list[str]],
+    opset_version: int | None,
+) -> Any:
+    """One `torch.onnx.export` of `twin_forward`'s call (a private copy's: the exporter swaps its parameters for fake
+    tensors while it traces), with the weights as inputs when `weights` names them and the tensor leaves as inputs;
+    `dims`: per tensor input, the dimensions exported as `Dim.AUTO` (None: the example's shapes)."""
+    weight_names, input_names, output_names = names
+    flat = _FlatForward(twin, twin_forward, in_leaves, in_spec, tensor_positions, list(weights)).train(training)
+    # Weights are passed as they are (no copy) unless they are inference tensors, which the exporter cannot take
+    # outside inference mode; tied weights are passed once per name.
+    example = tuple(w.clone() if w.is_inference() else w.detach() for w in weights.values())
+    # Row-major examples: the exporter cannot take every layout (channels-last, transposed views); the graph does not
+    # depend on it, and `_cpu_array` feeds the session row-major copies of such inputs.
+    example += tuple(in_leaves[i].clone(memory_format=torch.contiguous_format) for i in tensor_positions)
+    dynamic_shapes = None
+    if dims is not None:
+        auto = torch.export.Dim.AUTO
+        dynamic_shapes = (tuple(None for _ in weights) + tuple({d: auto for d in f} or None for f in dims),)
+    return torch.onnx.export(
+        flat,
+        example,
+        dynamic_shapes=dynamic_shapes,
+        input_names=weight_names + input_names,
+        output_names=output_names,
+        opset_version=opset_version,
+        dynamo=True,
+        optimize=True,
+        verbose=False,  # no "[torch.onnx] ..." progress lines (the exporter's only prints to stdout)
+        report=False,
+        dump_exported_program=False,
+    )
+
+
+class _WorkerBuild:
+    """What the build process (`backends/base.py`: `run_in_build_process`) made for one build of a background tuning:
+    the exported model (when it exported), the model to keep (quantized when asked) and that model optimised by ONNX
+    Runtime (`SessionOptions.optimized_model_filepath`, all levels), which a session of this process loads with graph
+    optimisation off. Files in a folder of this process's, deleted by `remove` once the session is made.
+
+    What stays here: the private copy (a deep copy, as without the build process) and its pickling, reading the
+    exported model back (for an identical sibling's build and the int8 variant), an identical sibling's weights put
+    into that export, and the session's loading (weights pre-packed, no graph work). The session's model is the one
+    ONNX Runtime would have made here: the same library, options and machine, the CPU provider only (a CUDA build
+    stays in this process: the build process touches no GPU). When the block cannot be pickled, or the build process
+    fails or ends, `export` and `run` return None (said at DEBUG) and the build runs here as in the foreground."""
+
+    def __init__(self, folder: Path, made: dict[str, Any]) -> None:
+        self.folder = folder
+        self.pid: int = made["pid"]
+        self.exported: str | None = made["export"]
+        self.model = Path(made["model"])
+        self.optimized: str = made["optimized"]
+
+    @classmethod
+    def export(
+        cls,
+        module: torch.nn.Module,
+        forward: Callable[..., Any],
+        weights: dict[str, torch.Tensor],
+        in_leaves: list[Any],
+        in_spec: pytree.TreeSpec,
+        tensor_positions: list[int],
+        attempts: list[list[frozenset[int]] | None],
+        names: tuple[list[str], list[str], list[str]],
+        opset_version: int | None,
+        int8: bool,
+    ) -> _WorkerBuild | None:
+        """Export (the first of `attempts` that traces), quantize when `int8`, optimise: all in the build process."""
+        try:
+            twin, twin_forward = _private_twin(module, forward)
+            # The forward's function, not the bound method: a bound method pickles by attribute name, which on the
+            # copy may find another forward (the tuning core's router is an instance attribute).
+            payload = pickle.dumps((twin, twin_forward.__func__, weights, in_leaves), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            logger.debug("aitune_hf: the block cannot go to the build process; exporting here", exc_info=True)
+            return None
+        job = {
+            "payload": payload,
+            "spec": in_spec,
+            "tensor_positions": tensor_positions,
+            "training": module.training,
+            "attempts": attempts,
+            "names": names,
+            "opset_version": opset_version,
+        }
+        return cls._call(job, None, int8)
+
+    @classmethod
+    def run(cls, source: Any, int8: bool) -> _WorkerBuild | None:
+        """Quantize when `int8`, optimise: `source` a model file (Path) or a model in memory (ModelProto)."""
+        return cls._call(None, source, int8)
+
+    @classmethod
+    def _call(cls, job: dict[str, Any] | None, source: Any, int8: bool) -> _WorkerBuild | None:
+        folder = Path(tempfile.mkdtemp(prefix="aitune_hf_onnx_build_"))
+        try:
+            if source is not None and not isinstance(source, Path):
+                import onnx
+
+                onnx.save_model(source, str(folder / "source.onnx"))
+                source = folder / "source.onnx"
+            where = None if source is None else str(source)
+            made = run_in_build_process(_build_in_worker, str(folder), job, where, int8)
+        except Exception:
+            shutil.rmtree(folder, ignore_errors=True)
+            logger.debug("aitune_hf: the build process did not build this block; building it here", exc_info=True)
+            return None
+        return cls(folder, made)
+
+    def exported_proto(self) -> Any:
+        import onnx
+
+        return onnx.load_model(self.exported)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _build_in_worker(folder: str, job: dict[str, Any] | None, source: str | None, int8: bool) -> dict[str, Any]:
+    """In the build process (`_WorkerBuild`): export `job` (or start from the model file `source`), quantize when
+    `int8`, optimise; returns the files' paths (in `folder`) and this process's id."""
+    import onnx
+    import onnxruntime
+
+    directory = Path(folder)
+    made: dict[str, Any] = {"pid": os.getpid(), "export": None}
+    if job is not None:
+        attempts = job["attempts"]
+        with _exporting(), torch.inference_mode(False), torch.no_grad():
+            for attempt, dims in enumerate(attempts):
+                # A fresh copy and fresh example tensors per attempt: a failed trace leaves symbolic state on them.
+                twin, function, weights, in_leaves = pickle.loads(job["payload"])
+                try:
+                    program = _export_flat(
+                        twin, types.MethodType(function, twin), weights, in_leaves, job["spec"],
+                        job["tensor_positions"], job["training"], dims, job["names"], job["opset_version"],
+                    )  # fmt: skip
+                    break
+                except Exception:
+                    if attempt == len(attempts) - 1:
+                        raise
+        source = str(directory / "export.onnx")
+        onnx.save_model(program.model_proto, source)
+        made["export"] = source
+    assert source is not None
+    model = Path(source)
+    if int8:
+        with _exporting():
+            _quantize_int8_file(model, directory / "int8.onnx")
+        model = directory / "int8.onnx"
+    made["model"] = str(model)
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.optimized_model_filepath = str(directory / "optimized.onnx")
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 4
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    onnxruntime.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    made["optimized"] = options.optimized_model_filepath
+    return made
+
+
 def _private_twin(module: torch.nn.Module, forward: Callable[..., Any]) -> tuple[torch.nn.Module, Callable[..., Any]]:
     """A deep copy of `module` and `forward` bound to it, for the exporter to trace. Falls back to the module
     itself (then other threads must not call it while exporting) when the forward is not the module's own
@@ -605,7 +805,11 @@ class _SessionRunner:
         out_tensor_positions: list[int],
         out_shapes: list[tuple[int, ...]] | None,
         out_dtypes: list[torch.dtype],
+        built_in: int | None = None,
     ) -> None:
+        #: The process id of the build process that exported and optimised the model (background tuning), or None
+        #: when this process built it.
+        self.built_in = built_in
         #: Where the model came from: "export", "sibling" (an identical sibling's export with these weights), "cache".
         self.source = source
         self.session = session

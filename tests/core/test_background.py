@@ -4,11 +4,14 @@ made; backends that compile the live module are left out, and the report says wh
 
 from __future__ import annotations
 
+import os
 import time
+from typing import Any
 
 import torch
 
 from aitune_hf import TargetState, register
+from aitune_hf.backends.base import build_process_pid
 from tests.core.modules import MLPBlock
 from tests.quick import QUICK
 
@@ -69,4 +72,48 @@ def test_a_call_of_the_target_being_tuned_runs_eager_at_once() -> None:
                 torch.testing.assert_close(model[0](x), expected, atol=1e-4, rtol=1e-4)  # served at once
     assert seen_tuning >= 1 and registration.background.wait(timeout=60)
     assert target.decided, registration.report()
+    registration.detach()
+
+
+def _tune_in_background(model: torch.nn.Sequential, blocks: dict[str, torch.nn.Module], x: torch.Tensor) -> Any:
+    """Registers `blocks` (ONNX Runtime, background), tunes them while calls go on; each call's output is checked."""
+    registration = register(blocks, {**QUICK, "backends": ["onnxruntime"], "min_speedup": 0, "background": True})
+    with torch.no_grad(), registration.bypass():
+        expected = model(x)
+    with torch.no_grad():
+        model(x)  # records
+        registration.tune()
+        deadline = time.monotonic() + 120
+        while not registration.all_tuned and time.monotonic() < deadline:
+            torch.testing.assert_close(model(x), expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(model(x), expected, atol=1e-4, rtol=1e-4)
+    assert registration.all_tuned, registration.report()
+    return registration
+
+
+def _built_in(target: Any) -> int | None:
+    """The process the target's ONNX Runtime session was built in (None: this one)."""
+    (route,) = [route for routes in target._routes.values() for route in routes]
+    return route.built.fn.built_in
+
+
+def test_background_builds_run_in_the_build_process() -> None:
+    """Issue 20: the export, quantization and graph optimisation of a background build run in the build process (the
+    GIL of this one stays with the serving threads); the session here serves outputs equal to eager's."""
+    model = _model()
+    registration = _tune_in_background(model, {"0": model[0], "2": model[2]}, torch.randn(8, 64))
+    worker = build_process_pid()
+    assert worker is not None and worker != os.getpid()
+    # "2" is an identical sibling of "0": its model is "0"'s export with its own weights, optimised there as well.
+    assert [_built_in(target) for target in registration.targets.values()] == [worker, worker]
+    registration.detach()
+
+
+def test_a_block_that_cannot_be_pickled_tunes_in_this_process() -> None:
+    """A block the build process cannot take (a lambda attribute: copied by reference, never pickled) is built here,
+    as in the foreground: it still tunes."""
+    model = _model()
+    model[0].note = lambda: "not picklable"
+    registration = _tune_in_background(model, {"0": model[0]}, torch.randn(8, 64))
+    assert _built_in(registration.targets["0"]) is None
     registration.detach()

@@ -1,0 +1,90 @@
+"""The build process (issue 20): a private build (background tuning) exports, quantizes and optimises in a worker
+process, and this process only loads the optimised model; a foreground build stays here; a block that cannot be
+pickled, or that the worker fails on, is built here as before. Real torch and ONNX Runtime; the worker is one per
+process, so its start is paid once per test session."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+from aitune_hf.backends import OnnxRuntimeBackend
+from aitune_hf.backends.base import build_context, build_process_pid
+from tests.backends.test_onnxruntime import MLP, TOL
+
+# The test process's id, also where the worker imports this file (it inherits the environment).
+HERE = int(os.environ.setdefault("AITUNE_HF_TEST_BUILD_PARENT", str(os.getpid())))
+
+
+class FailsElsewhere(MLP):
+    """Copies and pickles here, but cannot be unpickled in another process: the worker's build fails."""
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        if os.getpid() != HERE:
+            raise RuntimeError("this block cannot be rebuilt outside the test process")
+        super().__setstate__(state)
+
+
+def _private_build(module: nn.Module, x: torch.Tensor, shared: dict[object, object] | None = None, **options: str):
+    with build_context(private_only=True, shared={} if shared is None else shared):
+        return OnnxRuntimeBackend(**options).build(module, module.forward, [((x,), {})], dynamic=True)
+
+
+def test_a_private_build_runs_in_the_build_process_and_equals_eager() -> None:
+    torch.manual_seed(0)
+    module, x = MLP().eval(), torch.randn(4, 8)
+    shared: dict[object, object] = {}
+    built = _private_build(module, x, shared)
+    worker = build_process_pid()
+    assert worker is not None and worker != os.getpid()
+    assert built.fn.built_in == worker and built.fn.source == "export"
+    with torch.no_grad():
+        for batch in (x, torch.randn(7, 8)):  # a shape family: another batch size too
+            torch.testing.assert_close(built.fn(batch), module(batch), **TOL)
+    # The int8 variant of the same call starts from the fp32 export (in `shared`): quantized and optimised there too.
+    int8 = _private_build(module, x, shared, precision="int8")
+    assert int8.fn.built_in == worker
+    with torch.no_grad():
+        torch.testing.assert_close(int8.fn(x), module(x), atol=0.05, rtol=0.05)
+    assert build_process_pid() == worker  # one worker, kept
+
+
+def test_a_foreground_build_stays_in_this_process() -> None:
+    torch.manual_seed(0)
+    module, x = MLP().eval(), torch.randn(4, 8)
+    built = OnnxRuntimeBackend().build(module, module.forward, [((x,), {})])
+    assert built.fn.built_in is None
+    with torch.no_grad():
+        torch.testing.assert_close(built.fn(x), module(x), **TOL)
+
+
+def test_a_block_that_cannot_be_pickled_is_built_here(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    module, x = MLP().eval(), torch.randn(4, 8)
+    module.note = lambda: "a lambda: copied by reference, never pickled"  # type: ignore[assignment]
+    with caplog.at_level(logging.DEBUG, logger="aitune_hf.backends.onnxruntime"):
+        built = _private_build(module, x)
+    assert built.fn.built_in is None and built.fn.source == "export"
+    assert "cannot go to the build process" in caplog.text
+    with torch.no_grad():
+        torch.testing.assert_close(built.fn(x), module(x), **TOL)
+
+
+def test_a_block_the_worker_fails_on_is_built_here_and_the_worker_serves_on(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    module, x = FailsElsewhere().eval(), torch.randn(4, 8)
+    with caplog.at_level(logging.DEBUG, logger="aitune_hf.backends.onnxruntime"):
+        built = _private_build(module, x)
+    assert built.fn.built_in is None
+    assert "did not build this block" in caplog.text and "cannot be rebuilt outside" in caplog.text
+    with torch.no_grad():
+        torch.testing.assert_close(built.fn(x), module(x), **TOL)
+    worker = build_process_pid()
+    assert _private_build(MLP().eval(), x).fn.built_in == worker is not None  # the worker survived the failure
