@@ -10,13 +10,9 @@ Layout under the cache root (a local folder or an fsspec URL), one entry per key
     tmp/                                      staging; moved into place by a rename (local) or a move (fsspec)
     locks/<key>.lock                          a file lock around writes (local folders)
 
-What an entry's key holds (`key_fields`): the module's class and structure (each submodule's class, each
-parameter's and buffer's name, shape, dtype and memory layout) and every plain value the guard checks
-(`state_fingerprint`); the input signature (or shape family) with grad mode and the call's modes (autocast, default
-dtype, ...), and the memory layout of the recorded call's tensors; the candidate backends with their options, the
-strategy and the thresholds; the versions of aitune_hf, torch, onnxruntime, onnx and onnxscript; the device (CPU
-architecture, ISA and the flags that change kernels, or the GPU's name and compute capability) and the thread
-count. An artifact that bakes weights sits in a folder named by the weights' digest: a LoRA fused into them,
+What an entry's key holds is `core/keys.py`'s business (`key_fields` names each part and its owner): the module's
+class, structure and plain state, the call, the candidates and the thresholds, the versions, the device. An artifact
+that bakes weights sits in a folder named by the weights' digest (`keys.weights_digest`): a LoRA fused into them,
 `load_state_dict` or any edit gives another digest, so it is never loaded for other weights.
 
 A negative result never poisons the cache: an eager decision goes to `negative.json`, apart from the positive one. It
@@ -43,7 +39,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import shutil
 import stat
 import tempfile
@@ -56,8 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aitune_hf.backends.base import ArtifactPlace, Backend
-from aitune_hf.core import hardware
-from aitune_hf.core.guards import state_fingerprint
+from aitune_hf.core.keys import key_of, weights_digest
 from aitune_hf.core.signature import InputSignature
 from aitune_hf.errors import ReadOnlyError
 
@@ -221,11 +215,6 @@ class TuningCache:
         except OSError as error:
             return error.strerror or str(error)
         return None
-
-    # -- keys ---------------------------------------------------------------------------------------------------
-    @staticmethod
-    def key(fields: dict[str, Any]) -> str:
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
     def _path(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
@@ -502,85 +491,6 @@ def _parse_record(raw: bytes, key: str, fields: dict[str, Any] | None) -> tuple[
     return None, record
 
 
-# -- what a key holds ---------------------------------------------------------------------------------------------
-
-
-def key_fields(
-    module: torch.nn.Module,
-    signatures: Sequence[InputSignature],
-    dynamic: bool,
-    config: TuningConfig,
-    candidates: Sequence[Backend],
-    strategy: str,
-    layout: str,
-) -> dict[str, Any]:
-    """Everything a decision depends on (see the module docstring), as JSON-ready text. `layout`: the memory layout of
-    the recorded call's tensors (`signature.layout_of`)."""
-    signature = signatures[0]
-    kind = type(module)
-    return {
-        "module": f"{kind.__module__}.{kind.__qualname__}",
-        "state": state_fingerprint(module),
-        "signature": repr(signature.family) if dynamic else repr(signature),
-        "layout": layout,
-        "shapes": config.shapes if dynamic else "exact",
-        "training": module.training,
-        "backends": [backend.describe() for backend in candidates],
-        "strategy": strategy,
-        "min_speedup": config.min_speedup,
-        "precision": list(config.precisions),
-        "quality": config.quality,
-        "tolerances": sorted((str(dtype), list(pair)) for dtype, pair in config.tolerances.items()),
-        "versions": versions(),
-        "device": device_fingerprint(signature.devices),
-        "threads": torch.get_num_threads(),
-    }
-
-
-def weights_digest(module: torch.nn.Module) -> str:
-    """A digest of every parameter's and buffer's values (what a baked artifact holds)."""
-    digest = hashlib.blake2b(digest_size=16)
-    with torch.no_grad():
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-            data = tensor.detach()
-            if data.device.type != "cpu":
-                data = data.cpu()
-            data = data.contiguous()
-            if data.numel():
-                digest.update(data.view(torch.uint8).numpy().tobytes() if data.dtype != torch.bool else data.numpy())
-    return digest.hexdigest()
-
-
-@functools.cache
-def versions() -> dict[str, str | None]:
-    from importlib import metadata
-
-    found: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
-    for package in ("aitune-hf", "onnxruntime", "onnx", "onnxscript"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = None
-    return found
-
-
-def device_fingerprint(devices: frozenset[torch.device]) -> list[str]:
-    """The devices a decision was made on: CPU architecture, ISA and kernel-relevant flags; GPU name and
-    compute capability."""
-    return sorted(_device_text(device) for device in devices) or [_device_text(torch.device("cpu"))]
-
-
-def _device_text(device: torch.device) -> str:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
-        return f"cuda {torch.cuda.get_device_name(index)} sm_{major}{minor}"
-    if device.type == "cpu":
-        return hardware.cpu_text()
-    return device.type
-
-
 def report_to_record(report: Any) -> dict[str, Any]:
     """A SignatureReport as JSON-ready data (figures only)."""
     return json.loads(json.dumps(dataclasses.asdict(report), default=str))
@@ -671,14 +581,14 @@ class Consultation:
 def consult(
     cache: TuningCache | None, module: torch.nn.Module, fields_of: Callable[[], dict[str, Any]]
 ) -> Iterator[Consultation | None]:
-    """The entry for tuning `module` whose key holds `fields_of()` (`key_fields`), or None without a cache; its
+    """The entry for tuning `module` whose key holds `fields_of()` (`keys.key_fields`), or None without a cache; its
     artifacts are staged for the duration of the block."""
     if cache is None:
         yield None
         return
     try:
         fields = fields_of()
-        key = cache.key(fields)
+        key = key_of(fields)
         record = cache.read_decision(key, fields)
     except Exception as error:  # the cache never breaks tuning
         cache.stats.problems.append(f"lookup failed ({error})")

@@ -71,8 +71,8 @@ class TuningContext:
     #: Called with the target's name at the start of each routed call, while set (`Registration.observe_calls`).
     on_call: Callable[[str], None] | None = None
     #: Candidates left out here (reduced precisions this machine does not compute natively, backends that cannot
-    #: build in the background): (name, why), in the report of every new decision.
-    skipped: list[tuple[str, str]] = field(default_factory=list)
+    #: build in the background): (name, why, precision), in the report of every new decision.
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
     #: True when a reduced-precision decision waits for the end-to-end gate (`Registration.gate`) before it serves
     #: (the fp32 candidate it falls back to serves meanwhile); False: the per-block filter suffices.
     gate_required: bool = False

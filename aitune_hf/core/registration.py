@@ -117,9 +117,9 @@ class Registration:
         devices = devices or frozenset({torch.device("cpu")})
         strategy.validate(config, devices)
         candidates, precisions = with_precisions(strategy.candidates(config), config, devices)
-        skipped = [(f"{precision} variants", why) for precision, why in precisions]
+        skipped = [(f"{precision} variants", why, precision) for precision, why in precisions]
         if config.background:  # only what builds from a private copy may build while the module serves
-            skipped += [(b.describe(), _LIVE_BUILD) for b in candidates if not b.builds_privately]
+            skipped += [(b.describe(), _LIVE_BUILD, b.precision) for b in candidates if not b.builds_privately]
             candidates = [b for b in candidates if b.builds_privately]
         self._modules = dict(modules)
         self._detached = False

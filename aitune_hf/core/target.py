@@ -34,10 +34,11 @@ import torch
 from torch._C._dynamo.eval_frame import set_eval_frame  # what torch.compiler.disable calls around a function
 
 from aitune_hf.backends.base import Backend, BuiltBackend, build_context
-from aitune_hf.core.cache import Consultation, consult, key_fields
+from aitune_hf.core.cache import Consultation, consult
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.guards import ModuleGuard, training_reason
+from aitune_hf.core.keys import key_fields
 from aitune_hf.core.precision import block_budget
 from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import CandidateResult, ModuleReport, SignatureReport
@@ -720,8 +721,7 @@ class Target:
                 decision = self._from_cache(job, entry)
             new = decision is None
             if new:
-                for name, why in context.skipped:
-                    precision = name.removesuffix(" variants") if name.endswith(" variants") else "fp32"
+                for name, why, precision in context.skipped:
                     job.report.candidates.append(CandidateResult(name, error=f"skipped: {why}", precision=precision))
                 if context.background is not None:  # nothing to reuse: a full tuning (a warming replica stops waiting)
                     context.background.afresh = True

@@ -3,9 +3,11 @@
 from aitune_hf.hf.hooks import install_slot_locators
 from aitune_hf.hf.loading import AITuneModel, AITunePipeline, apply_mixin, enable_aitune, with_aitune
 from aitune_hf.hf.mixin import AITuneMixin
+from aitune_hf.hf.names import install_names
 from aitune_hf.hf.targets import find_targets
 
 install_slot_locators()
+install_names()
 
 __all__ = [
     "AITuneMixin",

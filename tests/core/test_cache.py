@@ -18,7 +18,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from aitune_hf import register
-from aitune_hf.core import cache as cache_module
+from aitune_hf.core import keys as keys_module
 from aitune_hf.core.cache import TuningCache
 from tests.core.modules import MLPBlock
 
@@ -147,8 +147,8 @@ def test_another_torch_version_or_module_state_is_another_entry(
 ) -> None:
     x = torch.randn(4, 32)
     _tuned(_model(), x, cache_dir=tmp_path)[0].detach()
-    found = cache_module.versions()
-    monkeypatch.setattr(cache_module, "versions", lambda: {**found, "torch": "9.9"})
+    found = keys_module.versions()
+    monkeypatch.setattr(keys_module, "versions", lambda: {**found, "torch": "9.9"})
     registration, _ = _tuned(_model(), x, cache_dir=tmp_path)
     assert registration.cache.stats.misses == 1
     registration.detach()

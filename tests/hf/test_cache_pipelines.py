@@ -65,7 +65,7 @@ def test_a_pipeline_loaded_again_starts_warm_and_freeu_is_another_entry(pipeline
 _FINGERPRINTS = """
 import json, sys
 from aitune_hf import AITunePipeline, AITuneModel
-from aitune_hf.core.guards import state_fingerprint
+from aitune_hf.core.keys import state_fingerprint
 from aitune_hf.hf.targets import find_targets
 found = {}
 for loader, folder in ((AITunePipeline, sys.argv[1]), (AITuneModel, sys.argv[2])):

@@ -1,0 +1,210 @@
+"""What a cache key is made of: every part named, each from the owner that knows it (after Inductor's
+`FxGraphHashDetails`).
+
+- `module`, `state`, `training`: the module (`state_fingerprint`): its class; structure, memory layout and every plain
+  value the guard checks.
+- `signature`, `layout`, `shapes`: the recorded call (`core/signature.py`): the input signature or shape family, the
+  tensors' memory layout.
+- `backends`: each candidate, with its options (`Backend.describe`).
+- `versions`: the core's (python, torch, aitune-hf), and each backend's own packages (`Backend.versions`).
+- `strategy`, `min_speedup`, `precision`, `quality`, `tolerances`: the config (how the choice was made).
+- `device`, `threads`: the machine (`core/hardware.py`): CPU architecture, ISA and flags, or GPU and capability.
+
+`versions` holds the packages of every backend this process knows (`backends.base.backend_classes`), not only of
+the candidates: that is what the key has always held (ONNX Runtime's versions in every key), so entries written
+before keys moved here are still found.
+
+Names that say where a model came from rather than what it computes (a framework's `_name_or_path`, the version
+that wrote its config) are left out of `state_fingerprint`: the layer that knows those frameworks registers them
+(`register_incidental`, filled by `aitune_hf.hf`); the core names no framework.
+
+Storage of what a key finds is `core/cache.py`'s job; this module only says what the key holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import types
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aitune_hf.backends.base import Backend, backend_classes, installed_version
+from aitune_hf.core import hardware
+from aitune_hf.core.guards import _MAX_CONTAINER, _OBJECT_DEPTH, _PLAIN, HOOK_KEYS, ROOT_PLUMBING, _objects_in
+from aitune_hf.core.signature import InputSignature
+
+if TYPE_CHECKING:
+    from aitune_hf.core.config import TuningConfig
+
+#: Attributes (and config keys) left out of `state_fingerprint`: where a model was loaded from, or how its config was
+#: written, not what it computes; so that one model loaded twice, or from two paths (a fleet's replicas), has one
+#: fingerprint. Filled by the layer that knows the frameworks (`register_incidental`).
+_INCIDENTAL: set[str] = set()
+
+
+def register_incidental(*names: str) -> None:
+    """Leave attributes (and config keys) called `names` out of every state fingerprint from now on. Registered at
+    import by the framework layer, before any key is made: a name registered later would change keys."""
+    _INCIDENTAL.update(names)
+
+
+def incidental() -> frozenset[str]:
+    """The names left out of state fingerprints (`register_incidental`)."""
+    return frozenset(_INCIDENTAL)
+
+
+def key_of(fields: dict[str, Any]) -> str:
+    """The key (an entry's folder name) of `fields`: a digest of their JSON text."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def key_fields(
+    module: torch.nn.Module,
+    signatures: Sequence[InputSignature],
+    dynamic: bool,
+    config: TuningConfig,
+    candidates: Sequence[Backend],
+    strategy: str,
+    layout: str,
+) -> dict[str, Any]:
+    """Every part of a decision's key (the table of the module docstring), as JSON-ready text. `layout`: the memory
+    layout of the recorded call's tensors (`signature.layout_of`)."""
+    signature = signatures[0]
+    kind = type(module)
+    return {
+        "module": f"{kind.__module__}.{kind.__qualname__}",
+        "state": state_fingerprint(module),
+        "signature": repr(signature.family) if dynamic else repr(signature),
+        "layout": layout,
+        "shapes": config.shapes if dynamic else "exact",
+        "training": module.training,
+        "backends": [backend.describe() for backend in candidates],
+        "strategy": strategy,
+        "min_speedup": config.min_speedup,
+        "precision": list(config.precisions),
+        "quality": config.quality,
+        "tolerances": sorted((str(dtype), list(pair)) for dtype, pair in config.tolerances.items()),
+        # A candidate that is not registered (an instance passed in the config) brings its own packages too.
+        "versions": {**{k: v for backend in candidates for k, v in backend.versions().items()}, **versions()},
+        "device": device_fingerprint(signature.devices),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def versions() -> dict[str, str | None]:
+    """The versions a decision depends on: python, torch and aitune-hf (the core's), and each known backend's own
+    packages (`Backend.versions`)."""
+    found: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "aitune-hf": installed_version("aitune-hf"),
+    }
+    for backend in backend_classes():
+        found.update(backend.versions())
+    return found
+
+
+def device_fingerprint(devices: frozenset[torch.device]) -> list[str]:
+    """The devices a decision was made on: CPU architecture, ISA and kernel-relevant flags; GPU name and
+    compute capability."""
+    return sorted(_device_text(device) for device in devices) or [_device_text(torch.device("cpu"))]
+
+
+def _device_text(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"cuda {torch.cuda.get_device_name(index)} sm_{major}{minor}"
+    if device.type == "cpu":
+        return hardware.cpu_text()
+    return device.type
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """A digest of every parameter's and buffer's values (what a baked artifact holds): names the folder of an
+    artifact that bakes weights, so that it is never loaded for other weights."""
+    digest = hashlib.blake2b(digest_size=16)
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+            data = tensor.detach()
+            if data.device.type != "cpu":
+                data = data.cpu()
+            data = data.contiguous()
+            if data.numel():
+                digest.update(data.view(torch.uint8).numpy().tobytes() if data.dtype != torch.bool else data.numpy())
+    return digest.hexdigest()
+
+
+def state_fingerprint(module: torch.nn.Module) -> str:
+    """A digest of what a `ModuleGuard` guards, in a form that is the same in every process: the structure
+    (each submodule's path and class; each parameter's and buffer's name, shape and dtype), every plain value in
+    the submodules' state and in objects below them (two levels, as the guard), and the types of the objects
+    the guard holds by identity (an attention processor's class). Weight values are not in it (see
+    `weights_digest`), nor incidental names (`register_incidental`). The persistent cache keys decisions by it."""
+    digest = hashlib.sha256()
+    seen: set[int] = set()
+    left_out = incidental()
+
+    def add(path: str, obj: Any, depth: int) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        digest.update(f"\n{path}:{_type_name(obj)}".encode())
+        for key in ("_parameters", "_buffers"):
+            for name, tensor in (getattr(obj, key, None) or {}).items():
+                spec = "None" if tensor is None else f"{tuple(tensor.shape)}{tensor.dtype}{_layout_mark(tensor)}"
+                digest.update(f"\n{path}.{name}={spec}".encode())
+        if depth >= _OBJECT_DEPTH:
+            return
+        for key, value in sorted(vars(obj).items()):
+            if key in ("_modules", "_parameters", "_buffers") or key in left_out:
+                continue
+            if (obj is module and key in ROOT_PLUMBING) or (key in HOOK_KEYS and isinstance(obj, torch.nn.Module)):
+                continue
+            digest.update(f"\n{path}.{key}={_stable(value, left_out)}".encode())
+            for inner in _objects_in(value):
+                add(f"{path}.{key}" if path else key, inner, depth + 1)
+
+    for name, sub in module.named_modules(remove_duplicate=False):
+        add(name, sub, 0)
+    return digest.hexdigest()
+
+
+def _layout_mark(tensor: torch.Tensor) -> str:
+    """ "" for a contiguous tensor, else its strides: weights in another memory format (`module.to(memory_format=
+    torch.channels_last)`) export and compile differently, so they are another cache entry."""
+    return "" if tensor.is_contiguous() else f"@{tensor.stride()}"
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _stable(value: Any, left_out: frozenset[str], depth: int = 0) -> str:
+    """`value` as text that does not depend on the process (no addresses): plain values by repr, containers
+    element-wise, tensors by dtype and shape, functions by qualified name, any other object by its type."""
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    if depth < 4 and isinstance(value, list | tuple | set | frozenset) and len(value) <= _MAX_CONTAINER:
+        items = [_stable(item, left_out, depth + 1) for item in value]
+        return f"{type(value).__name__}[{', '.join(sorted(items) if isinstance(value, set | frozenset) else items)}]"
+    if depth < 4 and isinstance(value, dict) and len(value) <= _MAX_CONTAINER:
+        items = sorted(
+            f"{_stable(k, left_out, depth + 1)}: {_stable(v, left_out, depth + 1)}"
+            for k, v in value.items()
+            if k not in left_out
+        )
+        return f"{type(value).__name__}{{{', '.join(items)}}}"
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}{value.dtype}"
+    if isinstance(value, types.FunctionType | types.MethodType | types.BuiltinFunctionType):
+        return f"function {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '?')}"
+    if isinstance(value, type):
+        return f"type {value.__module__}.{value.__qualname__}"
+    return f"object {_type_name(value)}"

@@ -1,0 +1,24 @@
+"""Names of Hugging Face objects that the core must treat specially, registered with it at import
+(`install_names`): the core names no framework.
+
+- Incidental attributes and config keys (`core.keys.register_incidental`): where a model was loaded from
+  (`_name_or_path`, the Hub commit) and which library version wrote its config say nothing of what it computes;
+  they stay out of the state fingerprint, so that replicas loading one model from two paths share cache entries.
+"""
+
+from aitune_hf.core.keys import register_incidental
+
+#: Transformers' and Diffusers' config attributes that are not part of what a model computes.
+INCIDENTAL = (
+    "_name_or_path",  # Transformers' PretrainedConfig, Diffusers' ConfigMixin: the folder or Hub id loaded from
+    "name_or_path",  # Transformers' models and tokenizers
+    "_commit_hash",  # the Hub revision loaded
+    "transformers_version",  # the version that wrote config.json
+    "_diffusers_version",
+    "_use_default_values",  # Diffusers' config: a list made from a set, in a per-process order
+)
+
+
+def install_names() -> None:
+    """Register these names with the core (idempotent)."""
+    register_incidental(*INCIDENTAL)
