@@ -141,6 +141,13 @@ class Backend(abc.ABC):
         """Why this backend cannot run on `devices`, or None when it can."""
         return None
 
+    def prepare(self) -> None:
+        """Import now what `build` will import in this process (a backend imports its technology only when it first
+        builds). A server calls it before its first request (`aitune_hf.serving.Replica`, background tuning): an import
+        holds the GIL for long stretches (loading a compiled extension, building protobuf descriptors), and a build in
+        the background would otherwise make it while requests are served. Default: nothing."""
+        return None
+
     @classmethod
     def versions(cls) -> dict[str, str | None]:
         """The packages this backend's builds depend on beyond torch, with their installed versions (None where not
