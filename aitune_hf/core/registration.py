@@ -20,7 +20,7 @@ from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.context import Progress, TuningContext
 from aitune_hf.core.precision import with_precisions
 from aitune_hf.core.quality import QualityFigure, measure
-from aitune_hf.core.report import ModuleReport, SignatureReport, TuningReport
+from aitune_hf.core.report import ModuleReport, TuningReport
 from aitune_hf.core.strategy import Strategy, resolve_strategy
 from aitune_hf.core.target import Target, TargetState
 from aitune_hf.errors import InputTypeError, UsageError, UserInputError
@@ -342,6 +342,11 @@ class Registration:
         return self._context.background
 
     @property
+    def may_gate_new_shapes(self) -> bool:
+        """True when a reduced-precision decision may meet a new shape, which waits for the gate of its call."""
+        return self._context.gate_required and any(t.covers_new_shapes_reduced() for t in self._targets.values())
+
+    @property
     def waiting_for_gate(self) -> bool:
         """True while a reduced-precision decision waits for the end-to-end gate."""
         return any(target.provisional() for target in self._targets.values())
@@ -371,15 +376,23 @@ class Registration:
             figure = measure(reference, output, self.config.quality, gate=True)
             if figure.passed:
                 break
-            target, route = max(waiting, key=lambda item: _rel_error(item[1].report))
+            target, route = max(waiting, key=lambda item: _rel_error(item[1]))
             target.demote(route, figure.verdict())
-            demoted.append(target.name)
+            if route.new_shape_of is None:  # a whole decision back to fp32 (a new shape's runs eager: its report says)
+                demoted.append(target.name)
             waiting.remove((target, route))
             if not waiting:  # all back to fp32: the figure stays the last one measured with reduced precision
                 break
         for target, route in waiting:
             target.accept(route)
-        self.quality = {**dataclasses.asdict(figure), "demoted": demoted, "replays": replays}
+        earlier = self.quality or {}  # the gates before this one (the tuning call's, then calls with new shapes)
+        self.quality = {
+            **earlier,
+            **dataclasses.asdict(figure),
+            "demoted": [*earlier.get("demoted", []), *demoted],
+            "replays": earlier.get("replays", 0) + replays,
+            "gates": earlier.get("gates", 0) + 1,
+        }
         logger.info("end-to-end quality gate: %s; %d block(s) back to fp32", figure.text(), len(demoted))
         return figure
 
@@ -432,8 +445,12 @@ _LIVE_BUILD = (
 )
 
 
-def _rel_error(report: SignatureReport) -> float:
-    """The chosen candidate's relative error against eager (what the gate demotes by, largest first)."""
+def _rel_error(route: Any) -> float:
+    """A waiting route's relative error against eager (what the gate demotes by, largest first): measured at its new
+    shape, or the chosen candidate's on the recorded calls."""
+    if route.rel_error is not None:
+        return route.rel_error
+    report = route.report
     chosen = next((c for c in report.candidates if c.backend == report.chosen), None)
     return (chosen.rel_error or 0.0) if chosen is not None else 0.0
 

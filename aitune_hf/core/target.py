@@ -113,6 +113,11 @@ class _Route:
     fallback: tuple[Backend, BuiltBackend, ModuleGuard] | None = None
     #: True until the end-to-end quality gate accepts this reduced-precision decision: the fallback serves meanwhile.
     provisional: bool = False
+    #: A new shape of a reduced-precision family (`new_shape_of` is the family's route, `reference` the shape): its
+    #: block check passed, and it waits for the end-to-end gate of the call it came in; eager serves meanwhile.
+    new_shape_of: _Route | None = None
+    #: The relative error the block check measured at that new shape (what the gate demotes by, largest first).
+    rel_error: float | None = None
 
     def holds(self) -> str | None:
         """None when this route may serve now, else what changed."""
@@ -441,7 +446,21 @@ class Target:
                 self._rejected.add((signature, id(route)))
                 logger.info("%s: %s disagreed at a new shape %s: %s", self.name, report.chosen, signature, failure)
             elif route not in self._routes.get(signature, ()):
-                report.shapes += 1
+                if route.backend is not None and route.backend.precision != "fp32" and self._context.gate_required:
+                    # Reduced precision at a shape the end-to-end gate never saw: a block's error at a new shape can
+                    # add up to more in the whole output (more rows, longer sequences). This call's end gates it.
+                    route = _Route(
+                        route.backend,
+                        built,
+                        report,
+                        route.guard,
+                        signature,
+                        provisional=True,
+                        new_shape_of=route,
+                        rel_error=check.rel_error,
+                    )
+                else:
+                    report.shapes += 1
                 self._routes = {**self._routes, signature: [*self._routes.get(signature, ()), route]}  # copy on write
         self._count("eager")
         return output
@@ -493,9 +512,17 @@ class Target:
         """The reduced-precision routes waiting for the end-to-end gate."""
         return list({id(r): r for rs in self._routes.values() for r in rs if r.provisional}.values())
 
+    def covers_new_shapes_reduced(self) -> bool:
+        """True when a reduced-precision family route may meet a shape it was not gated on (see `_check_new_shape`)."""
+        routes = [r for rs in self._families.values() for r in rs]
+        return any(r.backend is not None and r.backend.precision != "fp32" for r in routes)
+
     def accept(self, route: _Route) -> None:
         """The gate passed: the reduced-precision decision serves from now on."""
-        route.provisional = False
+        with self._lock:
+            if route.new_shape_of is not None and route.provisional:
+                route.report.shapes += 1
+            route.provisional = False
 
     def demote(self, route: _Route, why: str) -> None:
         """The gate failed with this route among the worst: its fp32 fallback serves it from now on. Where none was
@@ -504,6 +531,12 @@ class Target:
         with self._lock:
             reduced = route.report.chosen
             note = f"{reduced}: {why}"
+            if route.new_shape_of is not None:
+                # A new shape of a family that serves on: this shape runs eager in this module state, and is not
+                # recorded to tune again (a tuning would offer the same reduced builds, which the gate just failed).
+                route.backend, route.built, route.provisional = None, None, False
+                route.report.shapes_rejected.append(f"{route.reference.short()}: the end-to-end quality gate: {why}")
+                return
             if route.fallback is not None:
                 route.backend, route.built, route.guard = route.fallback
                 route.report.chosen = route.backend.describe()

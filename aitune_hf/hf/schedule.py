@@ -137,9 +137,12 @@ class Schedule:
 
     # -- a whole call, in order: call_starts, the call, call_ends ------------------------------------------
     def call_starts(self, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Keep a copy of this call for the quality gate when it may tune reduced precision (targets are armed)."""
+        """Keep a copy of this call for the quality gate when it may tune reduced precision (targets are armed), or
+        when a reduced-precision decision may meet a shape the gate never saw (the call's end then gates it)."""
         registration = self.registration
-        if registration.gate_required and any(t.armed for t in registration.targets.values()):
+        if registration.gate_required and (
+            any(t.armed for t in registration.targets.values()) or registration.may_gate_new_shapes
+        ):
             snapshot = _Snapshot.take(call, args, kwargs)
             if snapshot is not None:
                 self._gate_call = (call, snapshot)

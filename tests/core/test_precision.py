@@ -186,3 +186,54 @@ def test_a_reduced_polymorphic_build_serves_a_new_shape_that_its_per_block_filte
             torch.testing.assert_close(model(wide), reference, atol=0, rtol=0)
     assert "relative L2; budget 0.1" in target.report().signatures[0].shapes_rejected[0]
     registration.detach()
+
+
+def test_with_the_gate_required_a_new_shape_waits_for_the_gate_of_its_call() -> None:
+    """Where whole calls are gated (the Hugging Face layer), a new shape of a reduced-precision family is served only
+    after the end-to-end gate of a call with that shape passed: a block's error can add up to more at a new shape.
+    A gate that fails sends that shape to eager; the family keeps serving its other shapes."""
+    model = _chain([0.02, 0.02])
+    model[0].reduced_error_at = {11: 0.07}  # at 11 rows both blocks are further off (within the block filter's
+    model[1].reduced_error_at = {11: 0.09}  # 0.10), and the whole output fails 0.995 until block 1 runs eager there
+    x = torch.randn(6, 32)
+    registration = register(
+        model, {**QUICK, "backends": [ReducedPrecisionStandIn()], "min_speedup": 0, "shapes": "family"}
+    )
+    registration.gate_required = True
+    registration.config.quality = {"cosine": 0.99}
+    with torch.no_grad():
+        model(x)
+        model(torch.randn(4, 32))
+        registration.tune()
+        model(x)
+        with registration.bypass():
+            reference = model(x)
+        assert registration.gate(reference, lambda: model(x)).passed
+        assert registration.may_gate_new_shapes and not registration.waiting_for_gate
+        for rows, demoted in ((9, False), (11, True)):
+            new = torch.randn(rows, 32)
+            with registration.bypass():
+                reference = model(new)
+            torch.testing.assert_close(model(new), reference, atol=0, rtol=0)  # the block checks: eager's output
+            torch.testing.assert_close(model(new), reference, atol=0, rtol=0)  # waiting for the gate: eager
+            assert registration.waiting_for_gate
+            figure = registration.gate(reference, lambda new=new: model(new))
+            assert figure.passed and not registration.waiting_for_gate
+            served = model(new)
+            # 9 rows: both blocks serve reduced; 11 rows: block 1 (the one further off there) runs eager at that shape
+            assert registration.targets["1"].calls_served.get("reduced_stand_in", 0) > 0
+            error = float((served - reference).norm() / reference.norm())
+            assert (0.05 < error < 0.09) if demoted else (0.02 < error < 0.05), error
+            assert registration.quality["replays"] == (1 + 1 + 2 if demoted else 1 + 1)
+    target = registration.targets["1"]
+    (signature,) = target.report().signatures
+    assert signature.shapes_rejected and "11x32" in signature.shapes_rejected[0], registration.report()
+    assert "the end-to-end quality gate: min cosine" in signature.shapes_rejected[0]
+    assert target.state is TargetState.TUNED and registration.quality["gates"] == 3
+    assert registration.quality["demoted"] == [], registration.report()  # no whole decision went back to fp32
+    with torch.no_grad():  # the family's gated shapes still serve reduced
+        served, calls = model(x), registration.targets["0"].calls_served["reduced_stand_in"]
+        model(x)
+    assert registration.targets["0"].calls_served["reduced_stand_in"] == calls + 1
+    assert "last of 3 calls gated" in str(registration.report())
+    registration.detach()

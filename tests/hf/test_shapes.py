@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from aitune_hf import AITuneModel, TargetState, enable_aitune
+from aitune_hf.core import hardware
 from aitune_hf.testing import minilm_path
 from tests.quick import ORT_FAMILY
 
@@ -141,6 +142,37 @@ def test_a_transformers_model_fed_thirty_sequence_lengths(st_path) -> None:
     assert served.get("eager", 0) == 0 and served["onnxruntime"] == 30 * len(registration.targets)
     for report in registration.reports.values():
         assert report.routes == 1 and report.signatures[0].shapes == 30 and report.signatures[0].shape_checks == 29
+    model.disable_aitune()
+
+
+@pytest.mark.skipif(hardware.cpu_int8_reason() is not None, reason=str(hardware.cpu_int8_reason()))
+def test_lengths_never_seen_are_gated_then_served_in_reduced_precision_without_tuning_again(st_path) -> None:
+    """int8 blocks tuned on two lengths; 8 lengths never seen: at each one's first call every block checks it against
+    eager (per-block filter) and the call's end replays it through the end-to-end gate (a block's error adds up to
+    more over longer sequences); then each is served, int8 where the gate passed, eager where it did not, and the
+    hidden states stay within the budget. Nothing tunes again (before: each new length ran eager and tuned again)."""
+    model = AITuneModel.from_pretrained(st_path).eval()
+    g = torch.Generator().manual_seed(0)
+    calls = [torch.randint(1000, 20000, (1, n), generator=g) for n in (9, 13, *range(41, 105, 8))]
+    config = {**ORT_FAMILY, "precision": ["int8"], "quality": {"cosine": 0.98}}
+    with torch.inference_mode():
+        expected = [model(input_ids=ids).last_hidden_state for ids in calls]
+        registration = model.enable_aitune(**config)
+        for _ in range(2):  # records, then tunes (and the end-to-end gate replays the call)
+            for ids in calls[:2]:
+                model(input_ids=ids)
+        assert registration.quality is not None and registration.quality["passed"], registration.report()
+        assert any(t.report().precision == "int8" for t in registration.targets.values()), registration.report()
+        tuned = {name: report.tuning_seconds for name, report in registration.reports.items()}
+        for ids, want in zip(calls[2:], expected[2:], strict=True):  # each new length: checked, gated (eager's out)
+            torch.testing.assert_close(model(input_ids=ids).last_hidden_state, want, atol=1e-4, rtol=1e-4)
+        assert registration.quality["gates"] == 1 + 8 and not registration.waiting_for_gate, registration.report()
+        before = _served(registration)
+        for ids, want in zip(calls[2:], expected[2:], strict=True):  # then served, within the budget
+            assert _cosine(model(input_ids=ids).last_hidden_state[0], want[0]) >= 0.98
+    served = {k: v - before.get(k, 0) for k, v in _served(registration).items()}
+    assert served.get("onnxruntime(precision=int8)", 0) > 0, served
+    assert {name: report.tuning_seconds for name, report in registration.reports.items()} == tuned  # no new tuning
     model.disable_aitune()
 
 
