@@ -386,9 +386,12 @@ class Registration:
         for target, route in waiting:
             target.accept(route)
         earlier = self.quality or {}  # the gates before this one (the tuning call's, then calls with new shapes)
+        shown = dataclasses.asdict(figure)
+        if earlier and not earlier["value"] > figure.value:  # the worst call gated is the one shown
+            shown = {key: earlier.get(key) for key in shown}
         self.quality = {
             **earlier,
-            **dataclasses.asdict(figure),
+            **shown,
             "demoted": [*earlier.get("demoted", []), *demoted],
             "replays": earlier.get("replays", 0) + replays,
             "gates": earlier.get("gates", 0) + 1,

@@ -339,7 +339,7 @@ class TuningReport:
         figure = QualityFigure(q["metric"], q["value"], q["budget"], q["passed"], q["kind"], q.get("threshold"))
         gates = q.get("gates", 1)
         text = f"{figure.text()} against fp32 eager on the " + (
-            "call that tuned" if gates <= 1 else f"last of {gates} calls gated (new shapes are gated too)"
+            "call that tuned" if gates <= 1 else f"worst of {gates} calls gated (new shapes are gated too)"
         )
         if q.get("demoted"):
             text += f"; {len(q['demoted'])} block(s) sent back to fp32 ({', '.join(q['demoted'])})"

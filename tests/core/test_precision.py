@@ -235,5 +235,5 @@ def test_with_the_gate_required_a_new_shape_waits_for_the_gate_of_its_call() -> 
         served, calls = model(x), registration.targets["0"].calls_served["reduced_stand_in"]
         model(x)
     assert registration.targets["0"].calls_served["reduced_stand_in"] == calls + 1
-    assert "last of 3 calls gated" in str(registration.report())
+    assert "worst of 3 calls gated" in str(registration.report())
     registration.detach()
