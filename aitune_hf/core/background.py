@@ -16,6 +16,14 @@ profile hook of its own thread (`sys.setprofile` is per thread) that sleeps `YIE
 calls, handing the GIL over (measured: median 88 ms, worst 187 ms; the export about 2x slower). The hook is off while
 a round is timed (`core.timing`), so eager's many Python calls are not weighed down against a compiled callable's few.
 
+What no yielding can break up leaves the process: C++ steps of a build that hold the GIL for up to seconds (an ONNX
+export's serialisation, ONNX Runtime's graph optimisation, an int8 quantization: the slowest MiniLM request beside them
+took 6-16 s). A backend's build under `BuildContext.private_only` may run them in the build process
+(`backends/base.py`: `run_in_build_process`, one worker process per process, started on first use); ONNX Runtime's
+does (export, quantization, optimisation there; this process only loads the optimised model), and builds here as
+before a block that cannot be pickled. What stays here (the private copy, its pickling, reading the export back, the
+session's loading, the timed rounds) still runs under the yielding hook.
+
 Timing under live traffic is noisy: serving threads share the cores with the timed rounds. The choice stays honest
 the same way as in the foreground: candidates are timed side by side with eager, round by round, and the paired
 ratios' median decides, with the sequential rule's confidence bounds (`core/timing.py`) setting how many rounds it
