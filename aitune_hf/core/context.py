@@ -12,7 +12,8 @@ from aitune_hf.backends.base import Backend
 from aitune_hf.core.background import BackgroundTuner
 from aitune_hf.core.cache import TuningCache
 from aitune_hf.core.config import TuningConfig
-from aitune_hf.core.strategy import Decision, Strategy
+from aitune_hf.core.decisions import Decision
+from aitune_hf.core.strategy import Strategy
 
 
 class Progress:

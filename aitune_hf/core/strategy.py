@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,6 +12,7 @@ import torch.utils._pytree as pytree
 
 from aitune_hf.backends.base import Backend, BuiltBackend, Call, get_backend
 from aitune_hf.core.checks import compare_outputs
+from aitune_hf.core.decisions import Decision
 from aitune_hf.core.guards import ModuleGuard
 from aitune_hf.core.precision import block_budget
 from aitune_hf.core.reasons import details, summarize
@@ -27,18 +27,6 @@ if TYPE_CHECKING:
     from aitune_hf.core.config import TuningConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Decision:
-    """A strategy's choice for one signature: the backend, its built callable (None for eager), the report; for a
-    reduced-precision winner, the best fp32 candidate to fall back to (None: eager) if the end-to-end gate fails."""
-
-    backend: Backend | None
-    built: BuiltBackend | None
-    report: SignatureReport
-    guard: ModuleGuard | None = None  # what the built backend depends on (None for eager)
-    fallback: tuple[Backend, BuiltBackend, ModuleGuard] | None = None
 
 
 class NoEvidence(Exception):

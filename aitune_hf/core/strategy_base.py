@@ -15,7 +15,8 @@ from aitune_hf.errors import ConfigError
 
 if TYPE_CHECKING:
     from aitune_hf.core.config import TuningConfig
-    from aitune_hf.core.strategy import Decision, TuningJob
+    from aitune_hf.core.decisions import Decision
+    from aitune_hf.core.strategy import TuningJob
 
 #: Strategy name -> class, for `TuningConfig(strategy="...")`: filled by `core/strategy.py` (imported with the core).
 STRATEGIES: dict[str, type[Strategy]] = {}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import enum
 import functools
 import logging
@@ -37,6 +38,7 @@ from aitune_hf.backends.base import Backend, BuiltBackend, build_context
 from aitune_hf.core.cache import Consultation, consult
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
+from aitune_hf.core.decisions import Decision
 from aitune_hf.core.guards import ModuleGuard, training_reason
 from aitune_hf.core.keys import key_fields
 from aitune_hf.core.precision import block_budget
@@ -54,7 +56,7 @@ from aitune_hf.core.signature import (
     signature_of,
 )
 from aitune_hf.core.slots import ForwardSlot, all_slots, locate_slot
-from aitune_hf.core.strategy import Decision, NoEvidence, TuningJob
+from aitune_hf.core.strategy import NoEvidence, TuningJob
 from aitune_hf.core.timing import Stopwatch
 from aitune_hf.errors import UsageError
 
@@ -185,7 +187,9 @@ class Target:
         self._context = context
         self._state = TargetState.RECORDING
         self._reason: str | None = None
-        self._pinned: str | None = None  # why this target cannot be tuned where it stands (set once)
+        #: The decision that keeps this target eager for good (source "pinned", set once): it cannot be tuned where it
+        #: stands. Per-signature decisions live in the routes.
+        self._pinned: Decision | None = None
         self._why = "tune() was called"  # why it was armed last, logged when its tuning starts
         self._no_evidence: str | None = None  # why the last tuning found no sample to check against
         self._restrictions: list[tuple[Callable[[Backend], bool], str]] = []
@@ -249,7 +253,7 @@ class Target:
     @property
     def pinned_reason(self) -> str | None:
         """Why this target is kept eager for good, or None."""
-        return self._pinned
+        return self._pinned.reason if self._pinned is not None else None
 
     # -- installation -------------------------------------------------------------------------------
     def install(self) -> None:
@@ -314,7 +318,7 @@ class Target:
 
     def pin_eager(self, reason: str) -> None:
         """Keep this target eager for good (it cannot be tuned where it stands); `reason` is reported."""
-        self._pinned = reason
+        self._pinned = Decision.pinned(reason)
         self._clear_routes()
         self.samples.clear()
         self.sample_bytes = 0
@@ -335,7 +339,7 @@ class Target:
         state = self._state
         # While it tunes (in this thread or another), the module runs eager: backends build without touching it
         # (`Backend.build`), so other threads never wait for a tuning.
-        if state in (TargetState.TUNING, TargetState.DETACHED) or self._pinned or self._context.bypassed():
+        if state in (TargetState.TUNING, TargetState.DETACHED) or self._pinned is not None or self._context.bypassed():
             return self.original_forward(*args, **kwargs)
         observer = self._context.on_call
         if observer is not None:
@@ -777,7 +781,7 @@ class Target:
         job.report.from_cache = entry.key
         job.report.eager_latency_s = figures.get("eager_latency_s")
         if record["chosen"] == "eager":
-            return job.keep_eager(figures.get("reason") or "eager kept")
+            return dataclasses.replace(job.keep_eager(figures.get("reason") or "eager kept"), source="cache")
         backend = next((b for b in self._context.candidates if b.describe() == record["backend"]), None)
         if backend is None:
             job.report.from_cache = None
@@ -792,7 +796,8 @@ class Target:
             return None
         original = next((c for c in figures.get("candidates", ()) if c.get("backend") == result.backend), {})
         result.latency_s, result.speedup = original.get("latency_s"), original.get("speedup")
-        return job.choose(backend, result, built, self._cached_fallback(job, figures, backend))
+        decision = job.choose(backend, result, built, self._cached_fallback(job, figures, backend))
+        return dataclasses.replace(decision, source="cache")
 
     def _cached_fallback(
         self, job: TuningJob, figures: dict[str, Any], winner: Backend
@@ -822,8 +827,8 @@ class Target:
         report.shared_from = owner
         report.from_cache = decision.report.from_cache
         report.eager_latency_s = decision.report.eager_latency_s
-        if decision.backend is None:
-            return job.keep_eager(decision.report.reason or "eager kept")
+        if decision.backend is None:  # the owner's source: where its decision came from (tuned, or the cache)
+            return dataclasses.replace(job.keep_eager(decision.report.reason or "eager kept"), source=decision.source)
         with build_context(sibling=True):
             result, built = job.try_backend(decision.backend)
         if built is None:
@@ -841,7 +846,7 @@ class Target:
                 if figures is not None:  # the owner's timings, as for the winner (a cached copy falls back by them)
                     fallback_result.latency_s, fallback_result.speedup = figures.latency_s, figures.speedup
                 fallback = (decision.fallback[0], fallback_result, fallback_built)
-        return job.choose(decision.backend, result, built, fallback)
+        return dataclasses.replace(job.choose(decision.backend, result, built, fallback), source=decision.source)
 
     def _settle(self, note: str | None = None) -> None:
         """Leave TUNING (or re-read the routes): TUNED if a route serves, EAGER if all are eager, else RECORDING
