@@ -279,9 +279,9 @@ def run_in_build_process(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def build_process_pid() -> int | None:
-    """The build worker's process id while it runs, else None."""
-    with _worker_lock:
-        return _worker.pid if _worker is not None and _worker.poll() is None else None
+    """The build worker's process id while it runs, else None (without waiting for a build in progress)."""
+    worker = _worker
+    return worker.pid if worker is not None and worker.poll() is None else None
 
 
 def _start_build_process() -> None:
@@ -338,8 +338,12 @@ def _stop_build_process() -> int | None:
 
 
 def _stop_build_process_at_exit() -> None:
-    with _worker_lock:
-        _stop_build_process()
+    """Ends the worker without the lock: a daemon tuning thread may hold it, waiting for a build that nobody needs
+    any more (its wait then ends with the pipe)."""
+    worker = _worker
+    if worker is not None and worker.poll() is None:
+        worker.kill()
+        worker.wait()
 
 
 def _serve_builds() -> None:
