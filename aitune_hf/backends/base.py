@@ -13,6 +13,7 @@ import contextvars
 import dataclasses
 import functools
 import importlib
+import json
 import os
 import pickle
 import subprocess
@@ -244,7 +245,12 @@ def get_backend(spec: str | Backend) -> Backend:
 # in the process, as ever); what it returns is plain data (paths, numbers).
 
 BUILD_PROCESS_NICE = 10
-_WORKER_MAIN = "from aitune_hf.backends.base import _serve_builds; _serve_builds()"
+# The worker adds the entries of this process's import path that it lacks (a serving framework's working directory, a
+# test's root) before its first import; each call sends the path again, for entries added since.
+_WORKER_MAIN = (
+    "import json, sys; sys.path[:0] = [p for p in json.loads(sys.argv[3]) if p not in sys.path]; "
+    "from aitune_hf.backends.base import _serve_builds; _serve_builds()"
+)
 _worker_lock = threading.Lock()
 _worker: subprocess.Popen[bytes] | None = None
 _worker_pipes: tuple[Any, Any] | None = None  # (to the worker, from the worker): multiprocessing Connections
@@ -299,7 +305,7 @@ def _start_build_process() -> None:
     }
     try:
         _worker = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_MAIN, str(to_read), str(from_write)],
+            [sys.executable, "-c", _WORKER_MAIN, str(to_read), str(from_write), json.dumps(sys.path)],
             pass_fds=(to_read, from_write), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, env=env, start_new_session=True,  # a Ctrl-C of the terminal is this process's
         )  # fmt: skip
