@@ -71,9 +71,10 @@ def test_a_model_called_from_8_threads_while_it_tunes() -> None:
     for target in registration.targets.values():
         report = target.report()
         # Tuned; or armed again after a whole call that recorded a signature seen only while another thread
-        # tuned: armed targets tune at the next call of a signature no route serves, which may not come again.
-        waiting = target.state is TargetState.ARMED and all(target._lookup(sig)[0] is None for sig in target.samples)
-        assert target.state is TargetState.TUNED or waiting, registration.report()
+        # tuned: armed targets tune at the next call of a signature no route serves, which may not come again (and
+        # meanwhile another thread's tuning may have routed what it recorded). Either way the next tune() leaves one
+        # route per signature (checked below).
+        assert target.state in (TargetState.TUNED, TargetState.ARMED), registration.report()
         # Never tuned twice: one route per signature. (While any thread exports or compiles, torch's global
         # "compiling" flag makes Transformers build the attention mask another way in every thread, so a block
         # may see a third signature; its outputs are still eager's.) A signature first recorded while its block
