@@ -23,7 +23,7 @@ CONTAINED = {
     ("core/target.py", "RuntimeError"): "a dropped backend while serving: the call falls back to eager",
     ("core/target.py", "AssertionError"): "a state transition the design has not: a bug, never a user's mistake",
     ("hf/schedule.py", "AssertionError"): "a whole-call transition the design has not: a bug, never a user's mistake",
-    ("testing.py", "AssertionError"): "a branch for a family name that was checked before: a bug if reached",
+    ("testing/family_models.py", "AssertionError"): "a family name that was checked before: a bug if reached",
     ("core/cache.py", "ValueError"): "a damaged manifest: the entry is ignored with a warning",
 }
 
