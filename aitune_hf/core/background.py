@@ -74,9 +74,21 @@ class BackgroundTuner:
         self._thread: threading.Thread | None = None
         self._running: Target | None = None
         self._stopped = False
-        #: True while the running tuning tunes afresh (no decision from the cache or an identical sibling).
-        self.afresh = False
+        self._afresh = False
         self.tuned = 0  # targets tuned here so far
+
+    @property
+    def afresh(self) -> bool:
+        """True while the running tuning tunes afresh (no decision from the cache or an identical sibling)."""
+        return self._afresh
+
+    @afresh.setter
+    def afresh(self, value: bool) -> None:
+        # Wakes `wait(until=...)`: a replica waits for decisions from the cache, and stops when a full tuning starts.
+        # Before, nothing woke it then, and it waited for the whole tuning.
+        with self._condition:
+            self._afresh = value
+            self._condition.notify_all()
 
     def submit(self, target: Target) -> None:
         """Queue `target` (once) and make sure the worker runs; returns at once."""
