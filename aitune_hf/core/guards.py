@@ -18,8 +18,15 @@ everything the forward *could* read:
   A backend that keeps the weights live (Inductor without freezing, ONNX Runtime with weights as inputs)
   needs no value check: it reads the current tensors on every call.
 
-The per-call check is one C-level comparison of a tuple of live dicts with a tuple of their snapshots; the
-slow path, which names the first difference, runs only when that comparison fails.
+One walk of the module state builds the guard list (`ModuleGuard.guards`), by kind (`GuardKind`: structure, state,
+hook, weights), each guard with its own fail reason, as Dynamo's guard builder does. The per-call check, the
+explanation of a failure (`ModuleGuard.failed`) and the state fingerprint of the cache key (`ModuleGuard.text`, read
+by `core.keys.state_fingerprint`) all read that list. The per-call check is one C-level comparison of a tuple of
+live dicts with a tuple of their snapshots (what the list's structure, state and hook guards compare, all at once);
+the slow path, which names the first failing guard, runs only when that comparison fails.
+
+The core names no framework: the hook attributes a framework keeps on a module (Accelerate's, Diffusers') are
+registered by the layer that knows them (`register_hook_attributes`, called from `aitune_hf.hf`).
 
 Blind spots (documented in docs/guarantees.md): state outside the target's submodules (globals, class
 attributes), objects more than two levels below a module attribute, mutation of a plain tensor attribute
@@ -29,6 +36,7 @@ norm (a permutation of elements within one tensor).
 
 from __future__ import annotations
 
+import abc
 import copy
 import enum
 import threading
@@ -61,18 +69,39 @@ _OPAQUE = (
 
 
 #: Attributes of the target module itself that are call plumbing *around* its forward, not state it reads: the
-#: forward slot (where the router sits), Accelerate's and Diffusers' hooks, and torch's module hooks, which run
-#: outside the router. Offload hooks re-applied between calls change them every call. Inside the target they
-#: are guarded like everything else (a backend traced through them).
-ROOT_PLUMBING = frozenset(
+#: forward slot (where the router sits) and torch's module hooks, which run outside the router; and the hooks that
+#: frameworks keep on a module, registered by the layer that knows them (`register_hook_attributes`): offload hooks
+#: re-applied between calls change them every call. Inside the target they are guarded like everything else (a
+#: backend traced through them).
+_TORCH_PLUMBING = frozenset(
     {
-        "forward", "_old_forward", "_hf_hook", "_diffusers_hook",
+        "forward",
         "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
         "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
         "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook",
         "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
     }
 )  # fmt: skip
+#: Hook attributes a framework keeps on a module (`register_hook_attributes`), besides `forward`.
+_FRAMEWORK_HOOKS: set[str] = set()
+
+
+def register_hook_attributes(*names: str) -> None:
+    """Treat module attributes called `names` as hook plumbing (a framework's per-module hook, the forward it saved):
+    left out on the target itself, compared by type inside it, and out of the state fingerprint. Registered at import
+    by the layer that knows the framework (`aitune_hf.hf`), before any guard is made."""
+    _FRAMEWORK_HOOKS.update(names)
+
+
+def root_plumbing() -> frozenset[str]:
+    """Attributes of the target module that are plumbing around its forward (not guarded there)."""
+    return _TORCH_PLUMBING | _FRAMEWORK_HOOKS
+
+
+def hook_keys() -> frozenset[str]:
+    """Hook attributes inside the target: re-dispatching replaces each hook by an equal one, so they are compared by
+    type, not identity (Accelerate's per-module hooks under a `device_map`, Diffusers' registries)."""
+    return frozenset({"forward"}) | _FRAMEWORK_HOOKS
 
 
 class _Without:
@@ -125,11 +154,6 @@ class _TensorSlot:
         return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}@{self.device_type}"
 
 
-#: Hook plumbing inside the target (Accelerate's per-module hooks under a `device_map`, Diffusers' registries):
-#: re-dispatching replaces each hook by an equal one, so these are compared by type, not identity.
-HOOK_KEYS = frozenset({"forward", "_old_forward", "_hf_hook", "_diffusers_hook"})
-
-
 class _SameType:
     """The snapshot of a hook attribute: any value of the same type compares equal."""
 
@@ -155,13 +179,13 @@ def _matches(slot: _TensorSlot | None, value: Any) -> bool:
     return value is None if slot is None else slot == value
 
 
-def _freeze_state(state: dict[str, Any]) -> dict[str, Any]:
-    """The snapshot of an object's `__dict__`; a module's hook attributes keep their types. Its parameter and
+def _freeze_state(state: dict[str, Any], hooks: frozenset[str]) -> dict[str, Any]:
+    """The snapshot of an object's `__dict__`; a module's hook attributes (`hooks`) keep their types. Its parameter and
     buffer tables keep the tensors themselves (compared by identity on the fast path; `ModuleGuard` accepts
     a re-assigned tensor of the same shape, dtype and device type, and then takes it as the new snapshot)."""
     frozen = _freeze(state)
     if "_parameters" in state:  # a module
-        for key in HOOK_KEYS & state.keys():
+        for key in hooks & state.keys():
             frozen[key] = _SameType(state[key])
     return frozen
 
@@ -198,49 +222,221 @@ def _objects_in(value: Any, depth: int = 0) -> Iterator[Any]:
         yield value
 
 
+class GuardKind(str, enum.Enum):
+    """What a guard checks (as Dynamo's guard builder sorts its guards)."""
+
+    STRUCTURE = "structure"  # an object's attribute names, a module's children, its parameter and buffer tables
+    STATE = "state"  # one attribute: plain values by value, objects by identity, containers element-wise
+    HOOK = "hook"  # a framework's hook attribute inside the target: by type
+    WEIGHTS = "weights"  # the values of baked weights
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class _Owner:
+    """An object whose `__dict__` is guarded (a submodule of the target, or an object below one): its live dict, the
+    snapshot, and the attribute names it was reached through (`keys`)."""
+
+    __slots__ = ("depth", "frozen", "keys", "live", "obj", "path")
+
+    def __init__(self, path: str, obj: Any, depth: int, keys: tuple[str, ...], root_plumbing: frozenset[str] | None,
+                 hooks: frozenset[str]) -> None:  # fmt: skip
+        self.path, self.obj, self.depth, self.keys = path, obj, depth, keys
+        state = vars(obj)
+        self.live: dict[str, Any] | _Without = state if root_plumbing is None else _Without(state, root_plumbing)
+        self.frozen = _freeze_state(state if root_plumbing is None else self.live.view(), hooks)  # type: ignore[union-attr]
+
+    @property
+    def where(self) -> str:
+        return self.path or "<target>"
+
+    def view(self) -> dict[str, Any]:
+        return self.live.view() if isinstance(self.live, _Without) else self.live
+
+    def text(self) -> Iterator[str]:
+        yield f"\n{self.path}:{_type_name(self.obj)}"
+
+
+class Guard(abc.ABC):
+    """One thing a built backend depends on, with its own fail reason (`failure`) and its text in the state
+    fingerprint (`text`: none for what the fingerprint leaves out)."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, kind: GuardKind) -> None:
+        self.kind = kind
+
+    @abc.abstractmethod
+    def failure(self) -> str | None:
+        """None while this guard holds; else what changed."""
+
+    def text(self, left_out: frozenset[str]) -> Iterator[str]:
+        """Lines of the state fingerprint, the same in every process (`core.keys.state_fingerprint`)."""
+        return iter(())
+
+
+class _Names(Guard):
+    """The attribute names of an owner: none added, none removed."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: _Owner) -> None:
+        super().__init__(GuardKind.STRUCTURE)
+        self.owner = owner
+
+    def failure(self) -> str | None:
+        frozen, live = self.owner.frozen, self.owner.view()
+        for key in sorted(frozen.keys() - live.keys()):
+            return f"{self.owner.where}.{key} was removed"
+        for key in sorted(live.keys() - frozen.keys()):
+            return f"{self.owner.where}.{key} was added ({_short(live[key])})"
+        return None
+
+
+class _Table(Guard):
+    """A parameter or buffer table: the same names, each tensor of the same shape, dtype and device type."""
+
+    __slots__ = ("name", "owner", "slots", "table")
+
+    def __init__(self, owner: _Owner, name: str) -> None:
+        super().__init__(GuardKind.STRUCTURE)
+        self.owner, self.name = owner, name
+        self.table = vars(owner.obj)[name]  # the live table when the guard was made (what `_retake` compares)
+        self.slots = {k: None if t is None else _TensorSlot(t) for k, t in self.table.items()}
+
+    def failure(self) -> str | None:
+        live = self.owner.view().get(self.name)
+        if not isinstance(live, dict):
+            return None  # the attribute itself went: `_Names` or `_Value` says so
+        where = self.owner.where
+        added, removed = sorted(live.keys() - self.slots.keys()), sorted(self.slots.keys() - live.keys())
+        if added or removed:
+            return f"{where}.{self.name} changed: added {added}, removed {removed}"
+        for name, slot in self.slots.items():
+            if not _matches(slot, live.get(name)):
+                return f"{where}.{name} changed to {_short(live.get(name))} (was {slot!r})"
+        return None
+
+    def retake(self) -> bool | None:
+        """Accept tensors re-assigned with the same shape, dtype and device type (model CPU offload's `.to()` on every
+        call) as the new snapshot: True when it did, None when nothing moved, False when the table really changed."""
+        frozen, live = self.owner.frozen, self.table
+        if frozen[self.name].keys() == live.keys() and all(frozen[self.name][k] is v for k, v in live.items()):
+            return None
+        if live.keys() != self.slots.keys() or not all(_matches(slot, live[k]) for k, slot in self.slots.items()):
+            return False
+        frozen[self.name] = dict(live)
+        return True
+
+    def text(self, left_out: frozenset[str]) -> Iterator[str]:
+        for name, tensor in self.owner.frozen[self.name].items():
+            spec = "None" if tensor is None else f"{tuple(tensor.shape)}{tensor.dtype}{_layout_mark(tensor)}"
+            yield f"\n{self.owner.path}.{name}={spec}"
+
+
+class _Value(Guard):
+    """One attribute of an owner, as snapshotted (`_freeze`): plain values by value, objects by identity, hooks by
+    type. In the fingerprint when it is state (not structure or a hook) of an owner less than `_OBJECT_DEPTH` deep."""
+
+    __slots__ = ("key", "owner")
+
+    def __init__(self, owner: _Owner, key: str, kind: GuardKind) -> None:
+        super().__init__(kind)
+        self.owner, self.key = owner, key
+
+    def failure(self) -> str | None:
+        live = self.owner.view()
+        if self.key not in live:
+            return None  # `_Names` says it was removed
+        change = _difference(self.owner.frozen[self.key], live[self.key])
+        return None if change is None else f"{self.owner.where}.{self.key} {change}"
+
+    def text(self, left_out: frozenset[str]) -> Iterator[str]:
+        if self.kind is GuardKind.STATE and self.owner.depth < _OBJECT_DEPTH and self.key not in left_out:
+            yield f"\n{self.owner.path}.{self.key}={_stable(self.owner.frozen[self.key], left_out)}"
+
+
+class _Weights(Guard):
+    """The values of the weights a backend baked (`_WeightSamples`, or `_WeightValues` with `weight_check="full"`)."""
+
+    __slots__ = ("check",)
+
+    def __init__(self, check: _WeightSamples | _WeightValues) -> None:
+        super().__init__(GuardKind.WEIGHTS)
+        self.check = check
+
+    def failure(self) -> str | None:
+        try:
+            return self.check.explain()
+        except Exception as error:  # a tensor went to the meta device, or cannot be read
+            return f"baked weights could not be read back ({type(error).__name__}: {error})"
+
+
 class ModuleGuard:
     """Everything a backend built for `module` depends on, besides its inputs; `check()` runs per call.
+
+    The guard list (`guards`) is built once, in one walk of the module state, by kind (`GuardKind`), each guard with
+    its own fail reason; the per-call check, the explanation of a failure and the state fingerprint
+    (`core.keys.state_fingerprint`) all read that one list, so they cannot disagree on what is guarded. The per-call
+    fast path compares all owners' live dicts with their snapshots at once (one C-level comparison), which is what
+    the list's structure, state and hook guards compare one by one.
 
     Args:
         module: the target module.
         weights: also verify the values of every parameter and buffer (for a backend that baked them).
+        weight_check: "sampled" (spread samples and version counters) or "full" (every tensor's norm, every call).
     """
 
     def __init__(self, module: torch.nn.Module, weights: bool = False, weight_check: str = "sampled") -> None:
-        owners: list[tuple[str, Any]] = []
+        plumbing, hooks = root_plumbing(), hook_keys()
+        owners: list[_Owner] = []
+        guards: list[Guard] = []
+        order: list[_Owner | Guard] = []  # the walk, owners included: the fingerprint's order
         seen: set[int] = set()
 
-        def add(path: str, obj: Any, depth: int) -> None:
+        def add(path: str, obj: Any, depth: int, keys: tuple[str, ...]) -> None:
             if id(obj) in seen:
                 return
             seen.add(id(obj))
-            owners.append((path, obj))
-            if depth >= _OBJECT_DEPTH:
-                return
-            for key, value in list(vars(obj).items()):
-                if key in ("_modules", "_parameters", "_buffers") or (obj is module and key in ROOT_PLUMBING):
-                    continue
-                if key in HOOK_KEYS and isinstance(obj, torch.nn.Module):  # compared by type, not by state
-                    continue
-                for inner in _objects_in(value):
-                    add(f"{path}.{key}" if path else key, inner, depth + 1)
+            owner = _Owner(path, obj, depth, keys, plumbing if obj is module else None, hooks)
+            owners.append(owner)
+            order.append(owner)
+            guards.append(_Names(owner))
+            for name in _TABLES:
+                if isinstance(vars(obj).get(name), dict):
+                    table = _Table(owner, name)
+                    guards.append(table)
+                    order.append(table)
+            for key in sorted(owner.frozen):
+                if key in _TABLES and isinstance(vars(obj).get(key), dict):
+                    continue  # its `_Table` guard
+                if key in ("_modules", *_TABLES):
+                    kind = GuardKind.STRUCTURE
+                elif isinstance(owner.frozen[key], _SameType):
+                    kind = GuardKind.HOOK
+                else:
+                    kind = GuardKind.STATE
+                value = _Value(owner, key, kind)
+                guards.append(value)
+                order.append(value)
+                if kind is GuardKind.STATE and depth < _OBJECT_DEPTH:
+                    for inner in _objects_in(vars(obj)[key]):
+                        add(f"{path}.{key}" if path else key, inner, depth + 1, (*keys, key))
 
         for name, sub in module.named_modules(remove_duplicate=False):
-            add(name, sub, 0)
-        self._paths = tuple(path for path, _ in owners)
-        self._live = tuple(_Without(vars(obj), ROOT_PLUMBING) if obj is module else vars(obj) for _, obj in owners)
-        self._frozen = tuple(_freeze_state(live.view() if isinstance(live, _Without) else live) for live in self._live)
-        #: (snapshot, table name, live table, slots): what a re-assigned parameter or buffer must still match.
-        self._tables = tuple(
-            (frozen, name, live[name], {k: None if t is None else _TensorSlot(t) for k, t in live[name].items()})
-            for frozen, live in zip(self._frozen, (vars(obj) for _, obj in owners), strict=True)
-            for name in _TABLES
-            if isinstance(live.get(name), dict)
-        )
-        self._weights = (_WeightValues if weight_check == "full" else _WeightSamples)(module) if weights else None
+            add(name, sub, 0, ())
+        if weights:
+            guards.append(_Weights((_WeightValues if weight_check == "full" else _WeightSamples)(module)))
+        self.guards: tuple[Guard, ...] = tuple(guards)
+        self._order = tuple(order)
+        self._live = tuple(owner.live for owner in owners)
+        self._frozen = tuple(owner.frozen for owner in owners)
+        self._tables = tuple(guard for guard in guards if isinstance(guard, _Table))
+        self._weights = guards[-1].check if weights else None  # type: ignore[attr-defined]
 
     def check(self) -> str | None:
-        """None while everything holds; else a description of the first change found."""
+        """None while everything holds; else the fail reason of the first guard of the list that fails."""
         for attempt in range(2):
             try:
                 # Snapshots on the left: dict comparison calls the left value's __eq__ first.
@@ -250,50 +446,42 @@ class ModuleGuard:
                 pass
             if attempt == 0 and not self._retake_tables():
                 break
-        return self._explain()
+        return self.explain()
 
     def _retake_tables(self) -> bool:
         """Accept parameters and buffers re-assigned with the same shape, dtype and device type (model CPU
         offload's `.to()` on every call) as the new snapshot. False when a table really changed."""
         moved = False
-        for frozen, name, live, slots in self._tables:
-            if frozen[name].keys() == live.keys() and all(frozen[name][k] is v for k, v in live.items()):
-                continue
-            if live.keys() != slots.keys() or not all(_matches(slot, live[key]) for key, slot in slots.items()):
+        for table in self._tables:
+            retaken = table.retake()
+            if retaken is False:
                 return False
-            frozen[name] = dict(live)
-            moved = True
+            moved = moved or bool(retaken)
         return moved
 
-    def _explain(self) -> str:
-        for path, live, frozen in zip(self._paths, self._live, self._frozen, strict=True):
-            where = path or "<target>"
-            live = live.view() if isinstance(live, _Without) else live
-            for key in sorted(frozen.keys() - live.keys()):
-                return f"{where}.{key} was removed"
-            for key in sorted(live.keys() - frozen.keys()):
-                return f"{where}.{key} was added ({_short(live[key])})"
-            for key, old in frozen.items():
-                if key in _TABLES:
-                    slots = next(s for f, n, _, s in self._tables if f is frozen and n == key)
-                    added, removed = sorted(live[key].keys() - slots.keys()), sorted(slots.keys() - live[key].keys())
-                    if added or removed:
-                        return f"{where}.{key} changed: added {added}, removed {removed}"
-                    for name, slot in slots.items():
-                        if not _matches(slot, live[key].get(name)):
-                            return f"{where}.{name} changed to {_short(live[key].get(name))} (was {slot!r})"
-                    continue
-                change = _difference(old, live[key])
-                if change is not None:
-                    return f"{where}.{key} {change}"
-        if self._weights is not None:
-            try:
-                change = self._weights.explain()
-            except Exception as error:  # a tensor went to the meta device, or cannot be read
-                change = f"baked weights could not be read back ({type(error).__name__}: {error})"
-            if change is not None:
-                return change
-        return "module state changed"
+    def failed(self) -> tuple[Guard, str] | None:
+        """The first guard of the list that fails, with its reason; None when every one holds."""
+        for guard in self.guards:
+            reason = guard.failure()
+            if reason is not None:
+                return guard, reason
+        return None
+
+    def explain(self) -> str:
+        """What changed: the first failing guard's reason ("module state changed" when none names it)."""
+        failed = self.failed()
+        return failed[1] if failed is not None else "module state changed"
+
+    def text(self, left_out: frozenset[str] = frozenset()) -> Iterator[str]:
+        """The state fingerprint's lines, in the order of the walk: each owner's path and class, then its guards'
+        lines. What the fingerprint leaves out: weight values, structure and hook guards (their owners' paths and
+        classes stand for them), state of objects `_OBJECT_DEPTH` deep, and attributes named in `left_out` (with
+        the objects reached through them)."""
+        for item in self._order:
+            owner = item if isinstance(item, _Owner) else item.owner  # type: ignore[attr-defined]
+            if left_out and any(key in left_out for key in owner.keys):
+                continue
+            yield from item.text() if isinstance(item, _Owner) else item.text(left_out)
 
 
 def _difference(old: Any, new: Any) -> str | None:
@@ -516,3 +704,42 @@ def training_reason(module: torch.nn.Module) -> str | None:
         if isinstance(sub, torch.nn.modules.batchnorm._NormBase):
             return f"{name} ({type(sub).__name__}) is in training mode: it normalises by batch statistics"
     return None
+
+
+# -- the fingerprint's text: the same in every process -----------------------------------------------------------------
+
+
+def _layout_mark(tensor: torch.Tensor) -> str:
+    """ "" for a contiguous tensor, else its strides: weights in another memory format (`module.to(memory_format=
+    torch.channels_last)`) export and compile differently, so they are another cache entry."""
+    return "" if tensor.is_contiguous() else f"@{tensor.stride()}"
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _stable(value: Any, left_out: frozenset[str], depth: int = 0) -> str:
+    """`value` as text that does not depend on the process (no addresses): plain values by repr, containers
+    element-wise (dict keys in `left_out` left out), tensors by dtype and shape, functions by qualified name, any other
+    object by its type."""
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    if depth < 4 and isinstance(value, list | tuple | set | frozenset) and len(value) <= _MAX_CONTAINER:
+        items = [_stable(item, left_out, depth + 1) for item in value]
+        return f"{type(value).__name__}[{', '.join(sorted(items) if isinstance(value, set | frozenset) else items)}]"
+    if depth < 4 and isinstance(value, dict) and len(value) <= _MAX_CONTAINER:
+        items = sorted(
+            f"{_stable(k, left_out, depth + 1)}: {_stable(v, left_out, depth + 1)}"
+            for k, v in value.items()
+            if k not in left_out
+        )
+        return f"{type(value).__name__}{{{', '.join(items)}}}"
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}{value.dtype}"
+    if isinstance(value, types.FunctionType | types.MethodType | types.BuiltinFunctionType):
+        return f"function {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '?')}"
+    if isinstance(value, type):
+        return f"type {value.__module__}.{value.__qualname__}"
+    return f"object {_type_name(value)}"

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import types
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,7 @@ import torch
 
 from aitune_hf.backends.base import Backend, backend_classes, installed_version
 from aitune_hf.core import hardware
-from aitune_hf.core.guards import _MAX_CONTAINER, _OBJECT_DEPTH, _PLAIN, HOOK_KEYS, ROOT_PLUMBING, _objects_in
+from aitune_hf.core.guards import ModuleGuard
 from aitune_hf.core.signature import InputSignature
 
 if TYPE_CHECKING:
@@ -141,70 +140,12 @@ def weights_digest(module: torch.nn.Module) -> str:
 
 
 def state_fingerprint(module: torch.nn.Module) -> str:
-    """A digest of what a `ModuleGuard` guards, in a form that is the same in every process: the structure
-    (each submodule's path and class; each parameter's and buffer's name, shape and dtype), every plain value in
-    the submodules' state and in objects below them (two levels, as the guard), and the types of the objects
-    the guard holds by identity (an attention processor's class). Weight values are not in it (see
-    `weights_digest`), nor incidental names (`register_incidental`). The persistent cache keys decisions by it."""
+    """A digest of what a `ModuleGuard` guards, in a form that is the same in every process: the text of its guard
+    list (`ModuleGuard.text`): the structure (each submodule's path and class; each parameter's and buffer's name,
+    shape, dtype and memory layout), every plain value in the submodules' state and in objects below them, and the
+    types of the objects the guard holds by identity (an attention processor's class). Weight values are not in it
+    (see `weights_digest`), nor incidental names (`register_incidental`). The persistent cache keys decisions by it."""
     digest = hashlib.sha256()
-    seen: set[int] = set()
-    left_out = incidental()
-
-    def add(path: str, obj: Any, depth: int) -> None:
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        digest.update(f"\n{path}:{_type_name(obj)}".encode())
-        for key in ("_parameters", "_buffers"):
-            for name, tensor in (getattr(obj, key, None) or {}).items():
-                spec = "None" if tensor is None else f"{tuple(tensor.shape)}{tensor.dtype}{_layout_mark(tensor)}"
-                digest.update(f"\n{path}.{name}={spec}".encode())
-        if depth >= _OBJECT_DEPTH:
-            return
-        for key, value in sorted(vars(obj).items()):
-            if key in ("_modules", "_parameters", "_buffers") or key in left_out:
-                continue
-            if (obj is module and key in ROOT_PLUMBING) or (key in HOOK_KEYS and isinstance(obj, torch.nn.Module)):
-                continue
-            digest.update(f"\n{path}.{key}={_stable(value, left_out)}".encode())
-            for inner in _objects_in(value):
-                add(f"{path}.{key}" if path else key, inner, depth + 1)
-
-    for name, sub in module.named_modules(remove_duplicate=False):
-        add(name, sub, 0)
+    for line in ModuleGuard(module).text(incidental()):
+        digest.update(line.encode())
     return digest.hexdigest()
-
-
-def _layout_mark(tensor: torch.Tensor) -> str:
-    """ "" for a contiguous tensor, else its strides: weights in another memory format (`module.to(memory_format=
-    torch.channels_last)`) export and compile differently, so they are another cache entry."""
-    return "" if tensor.is_contiguous() else f"@{tensor.stride()}"
-
-
-def _type_name(value: Any) -> str:
-    kind = type(value)
-    return f"{kind.__module__}.{kind.__qualname__}"
-
-
-def _stable(value: Any, left_out: frozenset[str], depth: int = 0) -> str:
-    """`value` as text that does not depend on the process (no addresses): plain values by repr, containers
-    element-wise, tensors by dtype and shape, functions by qualified name, any other object by its type."""
-    if isinstance(value, _PLAIN):
-        return repr(value)
-    if depth < 4 and isinstance(value, list | tuple | set | frozenset) and len(value) <= _MAX_CONTAINER:
-        items = [_stable(item, left_out, depth + 1) for item in value]
-        return f"{type(value).__name__}[{', '.join(sorted(items) if isinstance(value, set | frozenset) else items)}]"
-    if depth < 4 and isinstance(value, dict) and len(value) <= _MAX_CONTAINER:
-        items = sorted(
-            f"{_stable(k, left_out, depth + 1)}: {_stable(v, left_out, depth + 1)}"
-            for k, v in value.items()
-            if k not in left_out
-        )
-        return f"{type(value).__name__}{{{', '.join(items)}}}"
-    if isinstance(value, torch.Tensor):
-        return f"tensor{tuple(value.shape)}{value.dtype}"
-    if isinstance(value, types.FunctionType | types.MethodType | types.BuiltinFunctionType):
-        return f"function {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '?')}"
-    if isinstance(value, type):
-        return f"type {value.__module__}.{value.__qualname__}"
-    return f"object {_type_name(value)}"

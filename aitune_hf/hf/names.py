@@ -4,8 +4,12 @@
 - Incidental attributes and config keys (`core.keys.register_incidental`): where a model was loaded from
   (`_name_or_path`, the Hub commit) and which library version wrote its config say nothing of what it computes;
   they stay out of the state fingerprint, so that replicas loading one model from two paths share cache entries.
+- Hook attributes (`core.guards.register_hook_attributes`): Accelerate's `_hf_hook` and the forward it saved
+  (`_old_forward`), Diffusers' `_diffusers_hook` registry. On the target they are plumbing around the router (offload
+  re-applies them every call); inside it they are compared by type, not identity.
 """
 
+from aitune_hf.core.guards import register_hook_attributes
 from aitune_hf.core.keys import register_incidental
 
 #: Transformers' and Diffusers' config attributes that are not part of what a model computes.
@@ -19,6 +23,11 @@ INCIDENTAL = (
 )
 
 
+#: Accelerate's and Diffusers' per-module hook attributes (`hf/hooks.py` finds the forward slots beneath them).
+HOOKS = ("_old_forward", "_hf_hook", "_diffusers_hook")
+
+
 def install_names() -> None:
     """Register these names with the core (idempotent)."""
     register_incidental(*INCIDENTAL)
+    register_hook_attributes(*HOOKS)

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from aitune_hf import TargetState, register
-from aitune_hf.core.guards import ModuleGuard
+from aitune_hf.core.guards import GuardKind, ModuleGuard, root_plumbing
+from aitune_hf.core.keys import state_fingerprint
 
 ORT = {"backends": ["onnxruntime"], "min_speedup": 0, "progress": False, "warmup": 1, "repeats": 2}
 
@@ -112,6 +113,50 @@ def test_retune_off_waits_for_tune() -> None:
         torch.testing.assert_close(block(x), Block.forward(block, x), atol=1e-5, rtol=1e-5)
     assert target.report().routes == 2
     reg.detach()
+
+
+#: The kind of guard each edit fails, and whether the state fingerprint (the cache key's `state`) sees it.
+KINDS = {
+    "plain value": (GuardKind.STATE, True),
+    "container in place": (GuardKind.STATE, True),
+    "flag": (GuardKind.STATE, True),
+    "object replaced": (GuardKind.STATE, True),  # by identity; the fingerprint sees its other factor
+    "object state": (GuardKind.STATE, True),
+    "submodule replaced": (GuardKind.STRUCTURE, True),  # by identity; the fingerprint sees it in training mode
+    "submodule added": (GuardKind.STRUCTURE, True),
+    "attribute added": (GuardKind.STRUCTURE, True),
+    "weight .data edit": (GuardKind.WEIGHTS, False),  # values are the weights digest's business
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_check_explain_and_fingerprint_read_one_guard_list(edit: str) -> None:
+    """The per-call check, the explanation of a failure and the fingerprint come from one list: the check's reason is
+    the first failing guard's, that guard is of the kind the edit touches, and the fingerprint changes with it."""
+    torch.manual_seed(0)
+    block = Block().eval()
+    guard = ModuleGuard(block, weights=True)
+    before = state_fingerprint(block)
+    assert guard.check() is None and guard.failed() is None
+    change, words = EDITS[edit]
+    change(block)
+    reason = guard.check()
+    failed = guard.failed()
+    assert reason is not None and failed is not None and failed[1] == reason and words in reason, (reason, failed)
+    kind, fingerprinted = KINDS[edit]
+    assert failed[0].kind is kind
+    assert (state_fingerprint(block) != before) is fingerprinted
+
+
+def test_framework_hooks_are_registered_plumbing_not_core_names() -> None:
+    """The Hugging Face layer registers its hook attributes with the core (hf/names.py): on the target they are
+    plumbing that an offload hook changes every call, so a new hook object does not fail the guard."""
+    assert {"_hf_hook", "_old_forward", "_diffusers_hook"} <= root_plumbing()
+    block = Block().eval()
+    block._hf_hook = object()
+    guard = ModuleGuard(block)
+    block._hf_hook = object()  # re-applied by the offload hook before the next call
+    assert guard.check() is None
 
 
 def test_a_guard_holds_while_nothing_changes_and_ignores_moves_with_equal_values() -> None:

@@ -39,6 +39,35 @@ def test_core_and_backends_import_no_hugging_face_library() -> None:
             assert not roots & HF_LIBRARIES, f"{path.name} imports {roots & HF_LIBRARIES}"
 
 
+#: Names the core must not spell out: Hugging Face libraries and the attributes their hooks keep on a module. The
+#: Hugging Face layer registers what the core must know of them (`hf/names.py`).
+_NAMED_ELSEWHERE = (*HF_LIBRARIES, "peft", "_hf_hook", "_old_forward", "_diffusers_hook", "_name_or_path")
+
+
+def _code_strings(tree: ast.Module) -> list[str]:
+    """The string constants of `tree` that are code, not docstrings."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def test_the_core_names_no_hugging_face_object_in_its_code() -> None:
+    """Names that belong to the Hugging Face layer come from it (registration points), not as strings in the core."""
+    for path in (PACKAGE / "core").glob("*.py"):
+        named = {n for text in _code_strings(_tree(path)) for n in _NAMED_ELSEWHERE if n in text.lower()}
+        assert not named, f"core/{path.name} spells out {sorted(named)}"
+
+
 def test_backends_import_no_other_backend_nor_core() -> None:
     for path in (PACKAGE / "backends").glob("*.py"):
         if path.name in ("__init__.py", "base.py"):
