@@ -227,9 +227,9 @@ def markdown(results: dict[str, dict[str, Any]], requests: int) -> str:
             f"{statistics.median(during) * 1e3:.0f} ms, {sum(t > 3 * eager for t in during)} over 3x; the slowest "
             f"{worst * 1e3:.0f} ms = {worst / eager:.1f}x a request alone on a warm replica ({eager * 1e3:.0f} ms; "
             f"eager is no faster) ({'MET' if worst <= 3 * eager else 'NOT MET'}: goal a few eager latencies, <= 3x). "
-            "Why: the tuning thread's export holds the GIL (the worker yields between Python calls, "
-            "core/background.py; "
-            "C++ steps such as an ONNX Runtime session's creation still hold it for seconds)",
+            "The export, quantization and graph optimisation run in the build process (backends/base.py); the "
+            "replica still copies each block, reads its export back, loads sessions and times rounds, under a "
+            "yielding hook (core/background.py)",
             "",
             "| replicas | concurrent requests | p50 ms | p99 ms | throughput req/s |",
             "|---|---|---|---|---|",
