@@ -81,9 +81,6 @@ class Replica:
             self.obj = load()
         self.load_seconds = loading.seconds
         self.registration = enable_aitune(self.obj, targets, **options)
-        if background:  # what a build in the background would import while requests are served, imported now
-            for backend in self.registration.candidates:
-                backend.prepare()
         self.warm_seconds = 0.0
         with Stopwatch() as warming:
             if warm is not None:

@@ -144,9 +144,9 @@ class Backend(abc.ABC):
 
     def prepare(self) -> None:
         """Import now what `build` will import in this process (a backend imports its technology only when it first
-        builds). A server calls it before its first request (`aitune_hf.serving.Replica`, background tuning): an import
-        holds the GIL for long stretches (loading a compiled extension, building protobuf descriptors), and a build in
-        the background would otherwise make it while requests are served. Default: nothing."""
+        builds). `register()` calls it for background tuning (`TuningConfig.background`), before any call is served:
+        an import holds the GIL for long stretches (loading a compiled extension, building protobuf descriptors), and
+        a build in the background would otherwise make it while requests are served. Default: nothing."""
         return None
 
     @classmethod

@@ -121,6 +121,8 @@ class Registration:
         if config.background:  # only what builds from a private copy may build while the module serves
             skipped += [(b.describe(), _LIVE_BUILD, b.precision) for b in candidates if not b.builds_privately]
             candidates = [b for b in candidates if b.builds_privately]
+            for backend in candidates:  # what their builds import, imported now, not while calls are served
+                backend.prepare()
         self._modules = dict(modules)
         self._detached = False
         self._final_report: TuningReport | None = None
