@@ -42,7 +42,8 @@ class CandidateResult:
     precision: str = "fp32"  # what it computes in (`core/precision.py`): reduced ones are checked by relative error
     rel_error: float | None = None  # its largest relative L2 error against eager on the recorded calls
     #: Why it was not tried, as a kind the code can test (its `error` text says it for people): "budget" (the tuning
-    #: budget was spent: the decision is incomplete, and the cache does not keep it), or None.
+    #: budget was spent: the decision is incomplete, and the cache does not keep it), "unavailable" (it cannot run
+    #: here, or cannot take this shape family), or None.
     skipped_for: str | None = None
 
     @property

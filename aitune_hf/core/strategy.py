@@ -186,10 +186,11 @@ class TuningJob:
         self.report.candidates.append(result)
         reason = self.unavailable_reason(backend)
         if reason is not None:
-            result.error = f"unavailable: {reason}"
+            result.error, result.skipped_for = f"unavailable: {reason}", "unavailable"
             return result, None
         if self.dynamic and not backend.polymorphic and len(self.signatures) > 1:
             result.error = f"unavailable: builds one shape at a time, and this family has {len(self.signatures)}"
+            result.skipped_for = "unavailable"
             return result, None
         building, checking = Stopwatch(self.devices), Stopwatch(self.devices)
         try:
@@ -496,7 +497,7 @@ def _nothing_worked(job: TuningJob, backends: Sequence[Backend]) -> str:
     tried = [c for c in job.report.candidates if c.skipped_for != "budget"]
     if not tried:
         return f"tuning budget of {job.config.budget_s:g} s spent before any candidate was tried"
-    if all(c.error and c.error.startswith("unavailable") for c in tried):
+    if all(c.skipped_for == "unavailable" for c in tried):
         return f"no candidate backend is available: {job.failures()}"
     return f"every candidate failed: {job.failures()}"
 
