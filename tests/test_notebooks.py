@@ -8,6 +8,7 @@ its ``parameters`` cell is replaced with tiny settings. Inductor is covered by t
 from __future__ import annotations
 
 import base64
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = ("01_stable_diffusion_blocks.ipynb", "02_flux_transformer.ipynb", "03_transformers_minilm.ipynb")
 TINY = 'SIZE = "tiny"; THREADS = 1; BACKENDS = ["onnxruntime"]; ROUNDS = 2'
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+#: PNG outputs per notebook: the report plot, and in 01 the fp32 eager and `precision="auto"` images side by side.
+PNGS = {"01_stable_diffusion_blocks.ipynb": 2}
 
 
 def _read(name: str):
@@ -65,7 +68,38 @@ def _check_outputs(nb, name: str) -> None:
     assert "<table>" in text, f"{name}: the report was not shown as HTML"
     assert "-> PASS" in text, f"{name}: the tuned output was not checked against eager"
     pngs = _pngs(nb)
-    assert len(pngs) == 1 and pngs[0].startswith(PNG_MAGIC), f"{name}: the report plot is not one PNG output"
+    expected = PNGS.get(name, 1)
+    assert len(pngs) == expected and all(p.startswith(PNG_MAGIC) for p in pngs), f"{name}: not {expected} PNG(s)"
+    if name.startswith(("01", "03")):
+        _check_precision_section(text, name)
+
+
+def _number(pattern: str, text: str, name: str) -> float:
+    found = re.search(pattern, text)
+    assert found, f"{name}: no line matching {pattern!r}"
+    return float(found.group(1))
+
+
+def _check_precision_section(text: str, name: str) -> None:
+    """The reduced-precision section: what `auto` offered (or that it offered nothing, with the skipped reasons), the
+    quality of the whole output against fp32 eager within its budget, and the speed-up printed beside it."""
+    offered = re.search(r"  candidates: (.*)", text)
+    assert offered, f"{name}: the candidates precision='auto' offered are not printed"
+    if "auto offers nothing here" in text:
+        assert "precision=" not in offered.group(1), f"{name}: says auto offers nothing, yet {offered.group(1)}"
+        assert re.search(r"(bf16|int8) skipped: \S", text), f"{name}: offers nothing without a skipped reason"
+    else:
+        assert "precision=" in offered.group(1), f"{name}: no reduced candidate in {offered.group(1)!r}"
+    assert "report's quality line: " in text, f"{name}: the report's quality line is not printed"
+    if name.startswith("01"):
+        found = re.search(r"auto vs fp32 eager image: PSNR (\S+) dB \(>= ([0-9.]+)\) -> PASS", text)
+        assert found, f"{name}: no passing PSNR line for the auto image"
+        assert float(found.group(1)) >= float(found.group(2)) >= 35, found.group(0)
+        _number(r"precision='auto' ([0-9.]+)x at PSNR ", text, name)  # the speed-up beside its quality
+    else:
+        assert _number(r"min cosine of the sentence embeddings: ([0-9.]+)", text, name) >= 0.99
+        assert _number(r"Spearman rank correlation (-?[0-9.]+) over 28 pairs", text, name) >= 0.95
+        _number(r"precision='auto' ([0-9.]+)x at min sentence cosine ", text, name)
 
 
 @pytest.mark.slow
