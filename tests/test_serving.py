@@ -139,7 +139,7 @@ def test_a_killed_replica_is_replaced_and_starts_warm(cluster, bert, inputs, eag
         before = _healths(handle)
         victim = next(iter(before))
         os.kill(victim, signal.SIGKILL)
-        end, after = time.monotonic() + 90, {}
+        end, after = time.monotonic() + 150, {}  # 38 s on a quiet host; over 90 s once beside a loaded test worker
         while time.monotonic() < end:  # Serve notices, starts another replica; it warms from the cache
             try:
                 after = _healths(handle, deadline_s=10)

@@ -232,9 +232,9 @@ class OnnxRuntimeBackend(Backend):
         program = None
         exported = False
         if cached is not None:  # a model this backend exported before, for this module, signature and weights
+            # Loaded here, even in the background: a replica that starts warm reads its decisions before it serves,
+            # and starting the build process (a Python that imports torch and onnx) would add seconds to its warm-up.
             model, path, cleanup = str(cached / _MODEL_FILE), cached / _MODEL_FILE, None
-            if offload:
-                worker = _WorkerBuild.run(source=cached / _MODEL_FILE, int8=False)
         else:
             # An identical sibling's export (same class, weight shapes and call) with this module's weights put in,
             # when the core applies that sibling's decision (it checks the result, and exports afresh if it fails).
