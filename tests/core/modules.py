@@ -192,3 +192,29 @@ class ReducedPrecisionStandIn(Backend):
         leaves = torch.utils._pytree.tree_leaves(samples[0])
         dims = tuple(frozenset({0}) for leaf in leaves if isinstance(leaf, torch.Tensor)) if dynamic else None
         return BuiltBackend(fn=fn, dynamic_dims=dims)
+
+
+class Block(nn.Module):
+    """A residual linear block, found by discovery through `TwoBlocks._repeated_blocks` (its class name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.fc(x))
+
+
+class TwoBlocks(nn.Module):
+    """Two `Block`s in a row: the smallest model whose blocks `enable_aitune("blocks")` finds."""
+
+    _repeated_blocks = ["Block"]  # what discovery reads to find the blocks of a model
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x

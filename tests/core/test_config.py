@@ -13,6 +13,7 @@ import aitune_hf
 from aitune_hf import TuningConfig
 from aitune_hf.backends.base import Backend, BuiltBackend
 from aitune_hf.errors import AITuneError, ConfigError, InputTypeError, UsageError, UserInputError
+from tests.core.modules import TwoBlocks
 
 NAN, INF = float("nan"), float("inf")
 
@@ -178,30 +179,8 @@ def test_defaults_and_valid_values_construct_and_are_normalised() -> None:
 # -- enable_aitune: checked before anything is registered or patched ------------------------------------------
 
 
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.relu(self.fc(x))
-
-
-class TinyModel(torch.nn.Module):
-    _repeated_blocks = ["Block"]  # what discovery reads to find the blocks of a model
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList([Block(), Block()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def _assert_unpatched(model: TinyModel) -> None:
-    assert type(model) is TinyModel
+def _assert_unpatched(model: TwoBlocks) -> None:
+    assert type(model) is TwoBlocks
     assert "_aitune_state" not in model.__dict__
     for module in model.modules():
         assert "forward" not in module.__dict__, f"{type(module).__name__} keeps a patched forward"
@@ -234,7 +213,7 @@ BAD_ENABLE = [
 
 @pytest.mark.parametrize(("options", "error", "message"), BAD_ENABLE, ids=[repr(c[0]) for c in BAD_ENABLE])
 def test_enable_aitune_with_a_bad_value_leaves_nothing_patched(options: dict, error: type, message: str) -> None:
-    model = TinyModel().eval()
+    model = TwoBlocks().eval()
     x = torch.randn(2, 8)
     with torch.inference_mode():
         expected = model(x)
@@ -248,7 +227,7 @@ def test_enable_aitune_with_a_bad_value_leaves_nothing_patched(options: dict, er
 
 
 def test_enable_aitune_with_valid_values_then_twice() -> None:
-    model = TinyModel().eval()
+    model = TwoBlocks().eval()
     registration = aitune_hf.enable_aitune(
         model, "blocks", backends=[], progress=False, tune_after_calls=None, component_backends="onnxruntime"
     )

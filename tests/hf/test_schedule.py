@@ -10,31 +10,10 @@ import torch
 
 import aitune_hf
 from aitune_hf.hf.schedule import Phase, Schedule
+from tests.core.modules import TwoBlocks
 
 #: No candidate backend: every target decides eager at once, so the test is about the schedule, not about tuning.
 NOTHING_TO_TRY: dict[str, Any] = {"backends": [], "progress": False}
-
-
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.relu(self.fc(x))
-
-
-class TwoBlocks(torch.nn.Module):
-    _repeated_blocks = ["Block"]  # what discovery reads to find the blocks of a model
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList([Block(), Block()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def _phases(targets: str, calls: int, **options: Any) -> tuple[list[tuple[Phase, dict[str, int]]], Schedule]:
