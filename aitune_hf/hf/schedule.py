@@ -144,8 +144,9 @@ class Schedule:
             any(t.armed for t in registration.targets.values()) or registration.may_gate_new_shapes
         ):
             snapshot = _Snapshot.take(call, args, kwargs)
-            if snapshot is not None:
-                self._gate_call = (call, snapshot)
+            # Never an earlier call's copy: its replay would not run this call's new shapes, and the gate would pass
+            # them unseen. No copy: what waits for the gate keeps waiting (eager, or the fp32 fallback, serves it).
+            self._gate_call = (call, snapshot) if snapshot is not None else None
 
     def call_ends(self) -> int:
         """After the call: run the quality gate where decisions wait for it, and count the call; returns its
