@@ -13,7 +13,7 @@ from aitune_hf.core.background import BackgroundTuner
 from aitune_hf.core.cache import TuningCache
 from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.decisions import Decision
-from aitune_hf.core.strategy import Strategy
+from aitune_hf.core.strategy import KindEvidence, Strategy
 
 
 class Progress:
@@ -81,3 +81,5 @@ class TuningContext:
     gating: Callable[[], bool] = lambda: False
     #: The background tuner (`TuningConfig.background`), or None: targets then tune inside the calls that arm them.
     background: BackgroundTuner | None = None
+    #: What the first blocks of each kind showed about slow builds (`MinLatency(prune_slow_after=...)`).
+    evidence: KindEvidence = field(default_factory=KindEvidence)

@@ -43,7 +43,8 @@ class CandidateResult:
     rel_error: float | None = None  # its largest relative L2 error against eager on the recorded calls
     #: Why it was not tried, as a kind the code can test (its `error` text says it for people): "budget" (the tuning
     #: budget was spent: the decision is incomplete, and the cache does not keep it), "unavailable" (it cannot run
-    #: here, or cannot take this shape family), or None.
+    #: here, or cannot take this shape family), "evidence" (a slow build that lost on the first blocks of this
+    #: block's kind: `core/strategy.py` `KindEvidence`), or None.
     skipped_for: str | None = None
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from aitune_hf.core.rng import DrawsRandomNumbers, no_random_draws, random_state
 from aitune_hf.core.signature import InputSignature, Sample, describe_family, state_tensors
 from aitune_hf.core.strategy_base import STRATEGIES, Strategy, build_cost
 from aitune_hf.core.timing import Stopwatch, clock, time_until_settled
-from aitune_hf.errors import ConfigError, TuningError
+from aitune_hf.errors import CandidateUnavailable, ConfigError, TuningError
 
 if TYPE_CHECKING:
     from aitune_hf.core.config import TuningConfig
@@ -31,6 +32,43 @@ logger = logging.getLogger(__name__)
 
 class NoEvidence(Exception):
     """No sample of a signature can serve as evidence (non-finite eager output, or not replayable)."""
+
+
+class KindEvidence:
+    """What the first blocks of a kind showed about each slow-build candidate, for the blocks of that kind tuned later
+    (`MinLatency(prune_slow_after=N)`). One per registration (`TuningContext.evidence`): a block's kind is its module's
+    class name, a candidate is its `describe()` (which names its precision: bf16 Inductor and fp32 Inductor are two
+    candidates).
+
+    Each target that built a slow candidate leaves one outcome for it: a loss (it failed, was wrong, or was timed
+    below `LOSS_RATIO` of the chosen speed-up, or below `min_speedup` when eager was kept) or not (it won, or came
+    close). Once N targets of a kind have built a candidate and every one lost, later targets of that kind skip it
+    ("skipped: lost on the first 2 CrossAttnDownBlock2D blocks ..."): its 5-30 s compiles are not spent where it has
+    not won. One outcome that did not lose keeps it built for the kind. Pruning changes which candidates are tried,
+    never what serves: whatever serves passed its checks as before.
+    """
+
+    #: A candidate timed below this share of the chosen candidate's speed-up lost; closer, it could win elsewhere.
+    LOSS_RATIO = 0.9
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._outcomes: dict[tuple[str, str], dict[str, str | None]] = {}  # (kind, candidate) -> {target: loss}
+
+    def record(self, kind: str, candidate: str, target: str, loss: str | None) -> None:
+        """`target` (of `kind`) built `candidate`: `loss` says how it lost, None when it did not."""
+        with self._lock:
+            self._outcomes.setdefault((kind, candidate), {})[target] = loss
+
+    def pruned(self, kind: str, candidate: str, after: int) -> str | None:
+        """Why `candidate` is not built for another target of `kind` (it lost on each of at least `after` targets of
+        that kind), or None."""
+        with self._lock:
+            outcomes = dict(self._outcomes.get((kind, candidate), {}))
+        if after <= 0 or len(outcomes) < after or any(loss is None for loss in outcomes.values()):
+            return None
+        losses = "; ".join(f"{target}: {loss}" for target, loss in list(outcomes.items())[:3])
+        return f"lost on the first {len(outcomes)} {kind} blocks ({losses})"
 
 
 class TuningJob:
@@ -50,6 +88,9 @@ class TuningJob:
     tuning; default: now) plus the budget. Strategies skip the candidates they have not built once it has passed,
     and timing stops at the first round past it. A build or a check in progress is not interrupted, so a target can
     overrun its budget by one build, its check and one timed round.
+
+    Kind: `kind` (default: the module's class name), `name` (the target's) and `evidence` (the registration's
+    `KindEvidence`, or None) let a strategy skip slow builds that lost on the first blocks of the same kind.
 
     Seconds: the report splits them into `reference_seconds` (eager reference outputs) and, per candidate,
     `build_seconds`, `check_seconds` and `timing_seconds` (its own timed runs, plus an equal share of the session's
@@ -71,8 +112,15 @@ class TuningJob:
         restriction: Callable[[Backend], str | None] = lambda backend: None,
         dynamic: bool = False,
         started: float | None = None,
+        kind: str | None = None,
+        name: str | None = None,
+        evidence: KindEvidence | None = None,
     ) -> None:
         started = clock() if started is None else started
+        #: The block's kind (its module's class name), its target's name, and what earlier blocks of the kind showed.
+        self.kind = kind if kind is not None else type(module).__name__
+        self.name = name if name is not None else self.kind
+        self.evidence = evidence
         self.deadline = None if config.budget_s is None else started + config.budget_s
         self.module = module
         self.forward = forward
@@ -215,6 +263,9 @@ class TuningJob:
                     self.module, weights=built.bakes_weights, weight_check=self.config.weight_check
                 )
             return result, built
+        except CandidateUnavailable as error:  # found while building: it does not apply to this block (no session made)
+            result.error, result.skipped_for = f"unavailable: {error}", "unavailable"
+            return result, None
         except Exception as error:  # a failing backend is a finding, not a crash
             logger.debug("%s failed on %s", backend.describe(), self.signature, exc_info=True)
             result.error, result.details = summarize(error), details(error)
@@ -321,16 +372,56 @@ class MinLatency(Strategy):
     ones that were not settled below `min_speedup`; the fastest (highest speed-up) of all that were timed is chosen.
     `skip_slow_builds=False` builds every candidate. Measured here on CPU: ONNX Runtime won every block (1.14-2.01x),
     Inductor none (0.89-1.20x) and its builds take 5-30 s a block against 1-5 s for the ONNX export.
+
+    `prune_slow_after` (default 2; 0: never): a slow build that lost on each of the first N blocks of a kind (the same
+    module class) is skipped on the later blocks of that kind (`KindEvidence`): "skipped: lost on the first 2
+    CrossAttnDownBlock2D blocks (...)". One block of the kind where it won or came within 10% keeps it built.
     """
 
     name = "min_latency"
 
-    def __init__(self, skip_slow_builds: bool = True, clear_speedup: float = 1.05, order: str = "cost") -> None:
+    def __init__(
+        self,
+        skip_slow_builds: bool = True,
+        clear_speedup: float = 1.05,
+        order: str = "cost",
+        prune_slow_after: int = 2,
+    ) -> None:
         super().__init__(order)
+        if isinstance(prune_slow_after, bool) or not isinstance(prune_slow_after, int) or prune_slow_after < 0:
+            raise ConfigError(
+                f"MinLatency(prune_slow_after=...) must be an int >= 0 (0: never prune), got {prune_slow_after!r}"
+            )
         self.skip_slow_builds = skip_slow_builds
         self.clear_speedup = clear_speedup
+        self.prune_slow_after = prune_slow_after
 
     def decide(self, job: TuningJob, backends: Sequence[Backend]) -> Decision:
+        decision = self._decide(job, backends)
+        if job.evidence is not None and self.prune_slow_after:
+            self._record(job, [b.describe() for b in backends if build_cost(b) == "slow"], decision)
+        return decision
+
+    def _record(self, job: TuningJob, slow: list[str], decision: Decision) -> None:
+        """What each slow candidate built for `job` showed, for the later blocks of its kind (`KindEvidence`)."""
+        assert job.evidence is not None
+        chosen = next((c for c in job.report.candidates if c.backend == decision.report.chosen), None)
+        bar = job.config.min_speedup if chosen is None else (chosen.speedup or 0.0) * KindEvidence.LOSS_RATIO
+        for result in job.report.candidates:
+            if result.backend not in slow or result.build_seconds is None:  # not built here (skipped, unavailable)
+                continue
+            if result is chosen:
+                loss: str | None = None
+            elif result.error is not None:
+                loss = result.error if len(result.error) <= 80 else result.error[:79] + "…"
+            elif (result.speedup or 0.0) < bar:
+                against = "eager" if chosen is None else f"{chosen.backend} {chosen.speedup or 0.0:.2f}x"
+                loss = f"{result.speedup or 0.0:.2f}x against {against}"
+            else:
+                loss = None
+            job.evidence.record(job.kind, result.backend, job.name, loss)
+
+    def _decide(self, job: TuningJob, backends: Sequence[Backend]) -> Decision:
         ordered = self.ordered(backends)
         clear = max(job.config.min_speedup, self.clear_speedup)
         # Reduced precision (opt-in) first: it is what was asked for, and where it wins clearly the fp32 candidates
@@ -400,6 +491,12 @@ class MinLatency(Strategy):
                 if job.budget_spent:
                     job.skip_for_budget(backend)
                     continue
+                lost = None
+                if tier is slow and job.evidence is not None:
+                    lost = job.evidence.pruned(job.kind, backend.describe(), self.prune_slow_after)
+                if lost is not None:
+                    job.skip(backend, lost, kind="evidence")
+                    continue
                 result, built = job.try_backend(backend)
                 if built is not None:
                     built_now.append((backend, result, built))
@@ -422,6 +519,8 @@ class MinLatency(Strategy):
             options.append(f"clear_speedup={self.clear_speedup!r}")
         if self.order != "cost":
             options.append(f"order={self.order!r}")
+        if self.prune_slow_after != 2:
+            options.append(f"prune_slow_after={self.prune_slow_after!r}")
         return f"MinLatency({', '.join(options)})"
 
 

@@ -687,8 +687,9 @@ class Target:
         described = describe_family(signatures)
         try:
             job = TuningJob(
-                self.module, self.original_forward, samples, context.config, self.unavailable_reason, dynamic, started
-            )
+                self.module, self.original_forward, samples, context.config, self.unavailable_reason, dynamic, started,
+                name=self.name, evidence=context.evidence,
+            )  # fmt: skip
         except NoEvidence as error:
             self._no_evidence = str(error)  # nothing decided: record again, tune when armed again
             logger.info("%s [%s]: %s", self.name, described, error)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from aitune_hf import FirstWins, MinLatency, OneBackend, TargetState, TuningConfig, register
 from aitune_hf.backends import OnnxRuntimeBackend
@@ -594,6 +595,105 @@ def test_a_spent_budget_skips_the_remaining_candidates_with_the_reason() -> None
     assert candidates["busy_build"].rounds == 1  # timing stops at the first round past the deadline
     assert signature.chosen == "busy_build"
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    reg.detach()
+
+
+class SlowLoser(Backend):
+    """A slow build that serves eager's forward plus a second run of it: about half eager's speed, always correct."""
+
+    name = "slow_loser"
+    build_cost = "slow"
+
+    def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
+        self.builds = getattr(self, "builds", 0) + 1
+
+        def twice(*args: Any, **kwargs: Any) -> Any:
+            forward(*args, **kwargs)
+            return forward(*args, **kwargs)
+
+        return BuiltBackend(fn=twice)
+
+
+def _tune_blocks(blocks: dict[str, torch.nn.Module], config: TuningConfig, x: torch.Tensor):
+    """Register `blocks` (called one after another on `x`), record a call, arm, tune; (registration, out, eager)."""
+
+    def run() -> torch.Tensor:
+        return torch.stack([block(x) for block in blocks.values()])
+
+    with torch.no_grad():
+        expected = run()
+        reg = register(blocks, config)
+        run()
+        reg.tune()
+        output = run()
+    return reg, output, expected
+
+
+def test_a_slow_build_that_lost_on_the_first_blocks_of_a_kind_is_not_built_for_the_rest() -> None:
+    torch.manual_seed(0)
+    loser = SlowLoser()
+    blocks = {f"mlp{i}": MLPBlock().eval() for i in range(4)}  # one kind; unequal weights, tuned one by one
+    config = _config(backends=[loser], share_identical=False, repeats=5)
+    reg, out, expected = _tune_blocks(blocks, config, torch.randn(4, 32))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)  # eager serves every block
+    assert loser.builds == 2
+    for name in ("mlp0", "mlp1"):
+        candidate = reg.reports[name].signatures[0].candidates[0]
+        assert candidate.build_seconds is not None and candidate.speedup < 1.0
+    for name in ("mlp2", "mlp3"):
+        candidate = reg.reports[name].signatures[0].candidates[0]
+        assert candidate.skipped_for == "evidence" and candidate.build_seconds is None
+        assert candidate.error.startswith("skipped: lost on the first 2 MLPBlock blocks (mlp0: 0.")
+        assert "against eager" in candidate.error
+        assert reg.reports[name].signatures[0].chosen == "eager"
+    reg.detach()
+
+
+class TwiceBlock(nn.Module):
+    """Runs its MLP twice and keeps the second result: eager does twice the work it needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLPBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mlp(x)
+        return self.mlp(x)
+
+
+class SlowWinner(Backend):
+    """A slow build that serves `TwiceBlock`'s MLP once: the same output, about twice eager's speed."""
+
+    name = "slow_winner"
+    build_cost = "slow"
+
+    def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
+        self.builds = getattr(self, "builds", 0) + 1
+        return BuiltBackend(fn=module.mlp)
+
+
+def test_a_slow_build_that_won_once_is_built_for_every_block_of_the_kind() -> None:
+    winner = SlowWinner()
+    blocks = {f"twice{i}": TwiceBlock().eval() for i in range(4)}
+    reg, out, expected = _tune_blocks(blocks, _config(backends=[winner], share_identical=False), torch.randn(64, 32))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert winner.builds == 4  # it won on one of the first two (at least): built for every block
+    chosen = [reg.reports[name].signatures[0].chosen for name in blocks]
+    assert "slow_winner" in chosen[:2] and set(chosen) <= {"slow_winner", "eager"}
+    reg.detach()
+
+
+def test_prune_slow_after_zero_builds_the_slow_candidate_for_every_block() -> None:
+    loser = SlowLoser()
+    blocks = {f"mlp{i}": MLPBlock().eval() for i in range(3)}
+    config = _config(backends=[loser], share_identical=False, strategy=MinLatency(prune_slow_after=0))
+    reg, out, expected = _tune_blocks(blocks, config, torch.randn(2, 32))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert loser.builds == 3
+    assert repr(MinLatency(prune_slow_after=0)) == "MinLatency(prune_slow_after=0)"
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match=r"prune_slow_after=\.\.\.\) must be an int >= 0"):
+            MinLatency(prune_slow_after=bad)  # type: ignore[arg-type]
     reg.detach()
 
 
