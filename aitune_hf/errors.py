@@ -6,6 +6,8 @@
 - `UsageError` (also a `RuntimeError`): a call made at the wrong time (tune() after detach(), enabling twice).
 - `TuningError` (also a `RuntimeError`): tuning could not give what was asked for (e.g. `OneBackend` whose backend
   cannot serve a target). Tuning inside a user's call never raises it into that call: the target stays eager.
+  `CandidateUnavailable` (a `TuningError`): a backend found while building that its candidate does not apply to the
+  block (ONNX Runtime's fused kernels where nothing fuses); the strategy reports the candidate unavailable.
 
 - `PathError` (a `UserInputError` and a `FileNotFoundError`): a file or folder named by the caller is missing;
   `ReadOnlyError` (a `UsageError` and a `PermissionError`): a write asked of a read-only cache.
@@ -40,6 +42,12 @@ class UsageError(AITuneError, RuntimeError):
 
 class TuningError(AITuneError, RuntimeError):
     """Tuning could not give what was asked for."""
+
+
+class CandidateUnavailable(TuningError):
+    """A candidate does not apply to the block it was asked to build, found only while building (ONNX Runtime's fused
+    kernels where no pattern fuses). Raised before any session or compiled artifact is made; the strategy records the
+    candidate as unavailable (`CandidateResult.skipped_for`), with this message as its reason, never as a failure."""
 
 
 class PathError(UserInputError, FileNotFoundError):
