@@ -138,6 +138,13 @@ class Backend(abc.ABC):
         variant. The variant's `describe()` names the precision."""
         return self if precision == self.precision else None
 
+    def kernel_variants(self) -> list[Backend]:
+        """Other kernel choices of this backend in the same precision (new instances, each `describe()` naming its
+        choice), which `TuningConfig(precision="auto")` offers beside it: ONNX Runtime's fused kernels
+        (`kernels="fused"`). A variant that finds nothing to do in a block raises `errors.CandidateUnavailable` from
+        `build`. Default: none."""
+        return []
+
     def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
         """Why this backend cannot run on `devices`, or None when it can."""
         return None

@@ -39,7 +39,7 @@ from aitune_hf.backends.base import (
     register_backend,
     run_in_build_process,
 )
-from aitune_hf.errors import ConfigError
+from aitune_hf.errors import CandidateUnavailable, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` i
 _INSTALL_HINT = "pip install 'aitune-hf[onnx]'"
 _WEIGHT_MODES = ("baked", "live")
 _ARENAS = ("shared", "session", "off")
+_KERNELS = ("default", "fused")
+#: Why a `kernels="fused"` build does not apply to a block (reported as the candidate's "unavailable: ..." reason).
+NOTHING_TO_FUSE = "nothing to fuse: no attention, layer-norm or GELU pattern in this block"
 
 
 @register_backend
@@ -79,6 +82,17 @@ class OnnxRuntimeBackend(Backend):
     int8 per output channel, activations uint8 quantized per call: the U8S8 format ONNX Runtime documents for CPUs
     with VNNI); convolutions stay fp32. Needs baked weights. The fp32 export of the same module and call, made for
     the fp32 candidate of the same tuning, is reused: the variant costs a quantization, not a second export.
+
+    `kernels`: "default" leaves kernel choice to ONNX Runtime's own graph optimisations. "fused" first rewrites the
+    exported model with onnxscript's ONNX Runtime fusions (`_fuse`: the steps of `optimize_for_ort` without its
+    CUDA-only GroupNorm rewrite): attention into one `com.microsoft` `MultiHeadAttention`, residual add + LayerNorm
+    into `SkipLayerNormalization`, bias + GELU into `BiasGelu`, and the like. It computes in fp32 (outputs equal
+    eager within fp32 tolerances, as every fp32 candidate is checked); `precision="auto"` offers it beside the plain
+    fp32 candidate (`kernel_variants`). Like the int8 variant it reuses the fp32 export of the same tuning (a
+    rewrite and a session, not a second export). A block where nothing fuses (a convolution-only block) raises
+    `CandidateUnavailable` before any session is made: the candidate is reported unavailable. With
+    `precision="int8"`: fused first, then the remaining MatMul and Gemm nodes quantized. The model it serves is the
+    fused one (`_SessionRunner.kernels` counts its fused operators).
     """
 
     name = "onnxruntime"
@@ -94,7 +108,13 @@ class OnnxRuntimeBackend(Backend):
         weights: str = "baked",
         arena: str = "shared",
         precision: str = "fp32",
+        kernels: str = "default",
     ) -> None:
+        if kernels not in _KERNELS:
+            raise ConfigError(
+                f"OnnxRuntimeBackend: kernels={kernels!r} is not valid; valid values: {', '.join(map(repr, _KERNELS))}"
+            )
+        self.kernels = kernels
         if precision not in ("fp32", "int8"):
             raise ConfigError(f"OnnxRuntimeBackend: precision={precision!r} is not valid; valid values: 'fp32', 'int8'")
         if precision == "int8" and weights != "baked":
@@ -130,15 +150,26 @@ class OnnxRuntimeBackend(Backend):
             return self
         if precision != "int8" or self.weights != "baked":
             return None
-        return OnnxRuntimeBackend(
-            self.providers, self.intra_op_num_threads, self.opset_version, self.artifact_dir, self.weights, self.arena,
-            precision=precision,
+        return self._variant(precision=precision)
+
+    def kernel_variants(self) -> list[Backend]:
+        """The fused-kernel variant of a plain build (`kernels="fused"`), same options and precision."""
+        return [self._variant(kernels="fused")] if self.kernels == "default" else []
+
+    def _variant(self, **changes: Any) -> OnnxRuntimeBackend:
+        """A new instance with this one's options and `changes`."""
+        options = dict(
+            providers=self.providers, intra_op_num_threads=self.intra_op_num_threads, opset_version=self.opset_version,
+            artifact_dir=self.artifact_dir, weights=self.weights, arena=self.arena, precision=self.precision,
+            kernels=self.kernels,
         )  # fmt: skip
+        return OnnxRuntimeBackend(**(options | changes))
 
     def describe(self) -> str:
         options = [f"weights={self.weights}"] if self.weights != "baked" else []
         options += [f"arena={self.arena}"] if self.arena != "shared" else []
         options += [f"precision={self.precision}"] if self.precision != "fp32" else []
+        options += [f"kernels={self.kernels}"] if self.kernels != "default" else []
         return f"{self.name}({', '.join(options)})" if options else self.name
 
     def _bakes(self, module: torch.nn.Module) -> bool:
@@ -173,6 +204,10 @@ class OnnxRuntimeBackend(Backend):
             import onnx
             import onnx.numpy_helper  # noqa: F401
             import onnxruntime  # noqa: F401
+
+            if self.kernels == "fused":  # the rewrite runs here unless the build process makes it
+                import onnx_ir  # noqa: F401
+                import onnxscript.rewriter.ort_fusions  # noqa: F401
 
     def build(
         self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call], dynamic: bool = False
@@ -221,6 +256,11 @@ class OnnxRuntimeBackend(Backend):
         place, sibling_build = current_build().place, current_build().sibling
         cached = place.load(self, bakes) if place is not None else None
         large = bakes and _needs_external_data(module)
+        if self.kernels == "fused" and large and cached is None:
+            raise CandidateUnavailable(
+                "kernels='fused' rewrites the model in memory, and this block's weights pass protobuf's 2 GB limit"
+            )
+        fused_ops: dict[str, int] | None = None
         providers = self.providers or (
             ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.type == "cuda" else ["CPUExecutionProvider"]
         )
@@ -249,12 +289,12 @@ class OnnxRuntimeBackend(Backend):
             if proto is None and offload:
                 worker = _WorkerBuild.export(
                     module, forward, weights, in_leaves, in_spec, tensor_positions, attempts, names,
-                    self.opset_version, int8=self.precision == "int8",
+                    self.opset_version, int8=self.precision == "int8", fused=self.kernels == "fused",
                 )  # fmt: skip
                 if worker is not None:
                     proto, exported = worker.exported_proto(), True
             elif offload:
-                worker = _WorkerBuild.run(source=proto, int8=self.precision == "int8")
+                worker = _WorkerBuild.run(source=proto, int8=self.precision == "int8", fused=self.kernels == "fused")
             if proto is None:
                 with _exporting(), torch.inference_mode(False), torch.no_grad():
                     for attempt, dims in enumerate(attempts):
@@ -275,9 +315,19 @@ class OnnxRuntimeBackend(Backend):
                     self._skeletons[sibling] = skeleton
                     while len(self._skeletons) > _SKELETONS_KEPT:
                         self._skeletons.pop(next(iter(self._skeletons)))
-            if worker is not None:  # the model the worker made (quantized when asked) is the one to keep
+            if worker is not None:  # the model the worker made (fused and quantized when asked) is the one to keep
+                fused_ops = worker.fused
+                if fused_ops is not None and not fused_ops:
+                    worker.remove()
+                    raise CandidateUnavailable(NOTHING_TO_FUSE)
                 model, path, cleanup = self._place(None, None, module, large, place, file=worker.model)
             else:
+                if self.kernels == "fused":  # before any session: a block where nothing fuses costs none
+                    with _exporting():
+                        proto, fused_ops = _fuse(proto if proto is not None else program.model_proto)
+                    program = None
+                    if not fused_ops:
+                        raise CandidateUnavailable(NOTHING_TO_FUSE)
                 if self.precision == "int8":
                     with _exporting():
                         proto, program = _quantize_int8(proto if proto is not None else program.model_proto), None
@@ -321,6 +371,7 @@ class OnnxRuntimeBackend(Backend):
             out_shapes=None if dynamic else [tuple(out_leaves[i].shape) for i in out_tensor_positions],
             out_dtypes=[out_leaves[i].dtype for i in out_tensor_positions],
             built_in=worker.pid if worker is not None else None,
+            kernels=fused_ops,
         )
         if cleanup is not None:  # a temporary folder lives as long as the session that reads it
             weakref.finalize(runner, shutil.rmtree, cleanup, ignore_errors=True)
@@ -368,6 +419,60 @@ class OnnxRuntimeBackend(Backend):
 
 #: Sibling exports kept per backend instance (their graphs, without weights).
 _SKELETONS_KEPT = 16
+
+
+def _fuse(proto: Any) -> tuple[Any, dict[str, int]]:
+    """`proto` rewritten by onnxscript's ONNX Runtime fusions, as a new model (`proto`, which another build of the same
+    tuning may read, is left as it is), and the fused operators the rewrite made (`com.microsoft` domain), by op type.
+
+    The steps of `onnxscript.rewriter.ort_fusions.optimize_for_ort` but one: Gemm to MatMul + Add, the transformer
+    fusions (`fuse_xformers`: attention, skip and RMS layer norm, GELU, rotary embeddings), then ORT's pattern rules
+    without the InstanceNormalization -> `GroupNorm` rewrite, whose `com.microsoft` kernel ONNX Runtime has for CUDA
+    only (a CPU session of it fails: "Could not find an implementation for GroupNorm(1)"; measured on onnxruntime
+    1.32 with a SD UNet attention block). `fuse_xformers` is private upstream (`_core`): `_FUSION_STEPS` names what
+    is used, and tests/backends/test_fused_kernels.py fails when it moves.
+
+    The counts hold what the transformer fusions made (and the FusedMatMul of the pattern rules only beside them):
+    empty when no attention, layer-norm or GELU pattern fused, which the caller reports as nothing to fuse (a
+    FusedMatMul alone is what ONNX Runtime's own optimisations make anyway)."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common as passes
+    from onnxscript.rewriter import rewrite
+    from onnxscript.rewriter.ort_fusions import ORT_PATTERN_REWRITE_RULES, instance_to_group_normalization
+    from onnxscript.rewriter.ort_fusions._core import fuse_xformers
+    from onnxscript.rewriter.rules.common import gemm_to_matmul_add_rule
+
+    model = ir.from_proto(proto)
+    rewrite(model, [gemm_to_matmul_add_rule])
+    model, _ = fuse_xformers(model)
+    if not _contrib_ops(model.graph):
+        return proto, {}
+    group_norm = set(instance_to_group_normalization.rules.rules)
+    rewrite(model, [rule for rule in ORT_PATTERN_REWRITE_RULES if rule not in group_norm])
+    ir.passes.Sequential(
+        passes.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=1),
+        passes.RemoveInitializersFromInputsPass(),
+        passes.ShapeInferencePass(),
+    )(model)
+    return ir.to_proto(model), _contrib_ops(model.graph)
+
+
+#: The upstream names `_fuse` uses (module, attribute), checked by a test: `_core` is private to onnxscript.
+_FUSION_STEPS = (
+    ("onnxscript.rewriter.ort_fusions", "ORT_PATTERN_REWRITE_RULES"),
+    ("onnxscript.rewriter.ort_fusions.instance_to_group_normalization", "rules"),
+    ("onnxscript.rewriter.ort_fusions._core", "fuse_xformers"),
+    ("onnxscript.rewriter.rules.common", "gemm_to_matmul_add_rule"),
+)
+
+
+def _contrib_ops(graph: Any) -> dict[str, int]:
+    """The `com.microsoft` nodes of an onnx_ir graph, by op type."""
+    counts: dict[str, int] = {}
+    for node in graph:
+        if node.domain == "com.microsoft":
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
 
 
 def _quantize_int8(proto: Any) -> Any:
@@ -602,8 +707,11 @@ class _WorkerBuild:
         self.folder = folder
         self.pid: int = made["pid"]
         self.exported: str | None = made["export"]
-        self.model = Path(made["model"])
-        self.optimized: str = made["optimized"]
+        #: The fused operators by op type (`_fuse`) when fused kernels were asked for, else None; empty: nothing fused,
+        #: and then no model was made.
+        self.fused: dict[str, int] | None = made.get("fused")
+        self.model = Path(made["model"]) if "model" in made else None
+        self.optimized: str | None = made.get("optimized")
 
     @classmethod
     def export(
@@ -618,8 +726,10 @@ class _WorkerBuild:
         names: tuple[list[str], list[str], list[str]],
         opset_version: int | None,
         int8: bool,
+        fused: bool = False,
     ) -> _WorkerBuild | None:
-        """Export (the first of `attempts` that traces), quantize when `int8`, optimise: all in the build process."""
+        """Export (the first of `attempts` that traces), fuse when `fused`, quantize when `int8`, optimise: all in the
+        build process."""
         try:
             twin, twin_forward = _private_twin(module, forward)
             # The forward's function, not the bound method: a bound method pickles by attribute name, which on the
@@ -637,15 +747,16 @@ class _WorkerBuild:
             "names": names,
             "opset_version": opset_version,
         }
-        return cls._call(job, None, int8)
+        return cls._call(job, None, int8, fused)
 
     @classmethod
-    def run(cls, source: Any, int8: bool) -> _WorkerBuild | None:
-        """Quantize when `int8`, optimise: `source` a model file (Path) or a model in memory (ModelProto)."""
-        return cls._call(None, source, int8)
+    def run(cls, source: Any, int8: bool, fused: bool = False) -> _WorkerBuild | None:
+        """Fuse when `fused`, quantize when `int8`, optimise: `source` a model file (Path) or a model in memory
+        (ModelProto)."""
+        return cls._call(None, source, int8, fused)
 
     @classmethod
-    def _call(cls, job: dict[str, Any] | None, source: Any, int8: bool) -> _WorkerBuild | None:
+    def _call(cls, job: dict[str, Any] | None, source: Any, int8: bool, fused: bool) -> _WorkerBuild | None:
         folder = Path(tempfile.mkdtemp(prefix="aitune_hf_onnx_build_"))
         try:
             if source is not None and not isinstance(source, Path):
@@ -654,7 +765,7 @@ class _WorkerBuild:
                 onnx.save_model(source, str(folder / "source.onnx"))
                 source = folder / "source.onnx"
             where = None if source is None else str(source)
-            made = run_in_build_process(_build_in_worker, str(folder), job, where, int8)
+            made = run_in_build_process(_build_in_worker, str(folder), job, where, int8, fused)
         except Exception:
             shutil.rmtree(folder, ignore_errors=True)
             logger.debug("aitune_hf: the build process did not build this block; building it here", exc_info=True)
@@ -670,9 +781,12 @@ class _WorkerBuild:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _build_in_worker(folder: str, job: dict[str, Any] | None, source: str | None, int8: bool) -> dict[str, Any]:
-    """In the build process (`_WorkerBuild`): export `job` (or start from the model file `source`), quantize when
-    `int8`, optimise; returns the files' paths (in `folder`) and this process's id."""
+def _build_in_worker(
+    folder: str, job: dict[str, Any] | None, source: str | None, int8: bool, fused: bool = False
+) -> dict[str, Any]:
+    """In the build process (`_WorkerBuild`): export `job` (or start from the model file `source`), fuse when `fused`
+    (`_fuse`; where nothing fuses, it stops there: no model, no session), quantize when `int8`, optimise; returns the
+    files' paths (in `folder`), the fused operators (when `fused`) and this process's id."""
     import onnx
     import onnxruntime
 
@@ -698,6 +812,13 @@ def _build_in_worker(folder: str, job: dict[str, Any] | None, source: str | None
         made["export"] = source
     assert source is not None
     model = Path(source)
+    if fused:
+        with _exporting():
+            proto, made["fused"] = _fuse(onnx.load_model(str(model)))
+        if not made["fused"]:
+            return made
+        onnx.save_model(proto, str(directory / "fused.onnx"))
+        model = directory / "fused.onnx"
     if int8:
         with _exporting():
             _quantize_int8_file(model, directory / "int8.onnx")
@@ -815,7 +936,11 @@ class _SessionRunner:
         out_shapes: list[tuple[int, ...]] | None,
         out_dtypes: list[torch.dtype],
         built_in: int | None = None,
+        kernels: dict[str, int] | None = None,
     ) -> None:
+        #: The fused ONNX Runtime operators (`com.microsoft` domain) in the model this session serves, by op type,
+        #: for a `kernels="fused"` build (None otherwise, and for a model read from the cache).
+        self.kernels = kernels
         #: The process id of the build process that exported and optimised the model (background tuning), or None
         #: when this process built it.
         self.built_in = built_in

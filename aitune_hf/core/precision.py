@@ -51,19 +51,28 @@ def with_precisions(
 ) -> tuple[list[Backend], list[tuple[str, str]]]:
     """The candidates for `config.precision` on `devices`: each backend in each precision asked for that the machine
     computes natively and the backend has a variant for, fp32 first; and (precision, why it is skipped) for each
-    precision asked for that this machine does not compute natively. With "fp32" (the default): `backends` as given."""
+    precision asked for that this machine does not compute natively. With "fp32" (the default): `backends` as given.
+
+    With "auto" each fp32 candidate also brings its other kernel choices (`Backend.kernel_variants`: ONNX Runtime's
+    fused kernels), which compute in fp32 and are checked by fp32 tolerances; a list of precisions (["fp32", "int8"])
+    names exactly what is tried and brings none (give `OnnxRuntimeBackend(kernels="fused")` in `backends` for it).
+    A candidate is offered once, by `describe()`."""
     if not config.reduced:
         return list(backends), []
     precisions = config.precisions
     skipped = [(p, reason) for p in precisions if p != "fp32" and (reason := native_reason(p, devices)) is not None]
     native = [p for p in precisions if p not in dict(skipped)]
-    candidates = []
+    candidates: dict[str, Backend] = {}  # by `describe()`: a variant also given explicitly is tried once
     for backend in backends:
         for precision in native:
             variant = backend.with_precision(precision)
-            if variant is not None:
-                candidates.append(variant)
-    return candidates, skipped
+            if variant is None:
+                continue
+            candidates.setdefault(variant.describe(), variant)
+            if precision == "fp32" and config.precision == "auto":  # kernel choice is part of the "auto" tier
+                for kernels in variant.kernel_variants():
+                    candidates.setdefault(kernels.describe(), kernels)
+    return list(candidates.values()), skipped
 
 
 def block_budget(precision: str) -> float | None:
