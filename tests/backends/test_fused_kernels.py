@@ -10,7 +10,8 @@ import importlib
 
 import pytest
 import torch
-from diffusers.models.attention import BasicTransformerBlock  # imported here: importing it adds warnings filters
+from diffusers.models import Transformer2DModel  # imported here: importing them adds warnings filters
+from diffusers.models.attention import BasicTransformerBlock
 from torch import nn
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertLayer
@@ -135,6 +136,29 @@ def test_a_diffusers_transformer_block_fuses_and_equals_eager() -> None:
     with torch.no_grad():
         for hidden, context in [call, (torch.randn(2, 16, 16), torch.randn(2, 7, 24))]:
             torch.testing.assert_close(built.fn(hidden, context), module(hidden, context), **FP32)
+
+
+def test_a_unet_attention_block_with_group_norm_fuses_and_runs_on_cpu() -> None:
+    """Diffusers' Transformer2DModel (GroupNorm, then transformer blocks), as the SD UNet holds it: onnxscript's full
+    ORT rewrite would turn its GroupNorm into `com.microsoft` GroupNorm, which ONNX Runtime runs on CUDA only; the
+    fused variant leaves it out, so the CPU session is made."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.block = Transformer2DModel(2, 4, in_channels=8, norm_num_groups=4, cross_attention_dim=16)
+
+        def forward(self, sample: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+            return self.block(sample, encoder_hidden_states=context, return_dict=False)[0]
+
+    module = Block().eval()
+    torch.manual_seed(1)
+    call = (torch.randn(2, 8, 8, 8), torch.randn(2, 7, 16))
+    built = _build(module, [call], kernels="fused")
+    assert built.fn.kernels["MultiHeadAttention"] == 2 and "GroupNorm" not in built.fn.kernels, built.fn.kernels
+    with torch.no_grad():
+        torch.testing.assert_close(built.fn(*call), module(*call), **FP32)
 
 
 def test_fused_then_int8_quantizes_the_remaining_matmuls() -> None:

@@ -1,0 +1,142 @@
+"""ONNX Runtime with and without fused kernels (issue 19), per block kind: plain `OnnxRuntimeBackend()` against
+`OnnxRuntimeBackend(kernels="fused")` (onnxscript's ONNX Runtime fusions: MultiHeadAttention, SkipLayerNormalization,
+BiasGelu), and eager, on the same block and call.
+
+    python benchmarks/fused_kernels.py                  # every workload, 1 thread, 31 interleaved rounds
+    python benchmarks/fused_kernels.py --workloads minilm_b1_s32 --rounds 51
+
+Workloads: one real MiniLM layer (`aitune_hf.testing.minilm_path()`) at batch 1 x 32 tokens and batch 32 x 64, and
+the first cross-attention block (`Transformer2DModel`) of the SD small UNet (`build_pipeline("sd", ..., "small")`)
+at the shapes a 128x128 call with guidance gives it (2 x 96 x 16 x 16 latents, 2 x 77 x 64 text states).
+
+torch and ONNX Runtime at 1 thread (`torch.set_num_threads(1)`, `intra_op_num_threads=1`, no spinning), one
+exact-shape session each, eager and both sessions timed in interleaved rounds (`time_interleaved`), medians.
+Prints the machine, the load average before and after, each build's largest error against eager and the fused
+operators the rewrite made; and what each costs in a tuning (`register()` with `precision="auto"`, ONNX Runtime
+only, exact shapes): the plain candidate's build seconds (export and session) and the fused one's (the rewrite of
+that export and a session), from the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as files
+
+from aitune_hf import register, time_interleaved
+from aitune_hf.backends import OnnxRuntimeBackend
+from aitune_hf.testing import build_pipeline, minilm_path
+
+WORKLOADS = ("minilm_b1_s32", "minilm_b32_s64", "sd_small_attention")
+
+
+class MiniLMLayer(torch.nn.Module):
+    """One encoder layer called as the encoder calls it: hidden states and the additive attention mask."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.layer(hidden, attention_mask=mask)[0]
+
+
+class CrossAttention(torch.nn.Module):
+    """A UNet's Transformer2DModel called as the UNet calls it (latents and text states)."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, sample: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return self.block(sample, encoder_hidden_states=context, return_dict=False)[0]
+
+
+def workload(name: str, folder: Path) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    if name.startswith("minilm"):
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(minilm_path(), attn_implementation="sdpa").eval()
+        batch, length = {"minilm_b1_s32": (1, 32), "minilm_b32_s64": (32, 64)}[name]
+        return MiniLMLayer(model.encoder.layer[0]).eval(), (
+            torch.randn(batch, length, model.config.hidden_size),
+            torch.zeros(batch, 1, 1, length),
+        )
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(build_pipeline("sd", folder / "sd-small", "small"))
+    unet = pipe.unet
+    channels = unet.config.block_out_channels[0]
+    return CrossAttention(unet.down_blocks[0].attentions[0]).eval(), (
+        torch.randn(2, channels, 16, 16),
+        torch.randn(2, 77, unet.config.cross_attention_dim),
+    )
+
+
+def measure(name: str, folder: Path, rounds: int) -> dict[str, Any]:
+    module, call = workload(name, folder)
+    fns: dict[str, Callable[..., Any]] = {"eager": module}
+    notes = {}
+    with torch.no_grad():
+        reference = module(*call)
+        for label, backend in (("ort", OnnxRuntimeBackend(intra_op_num_threads=1)),
+                               ("ort_fused", OnnxRuntimeBackend(intra_op_num_threads=1, kernels="fused"))):  # fmt: skip
+            built = backend.build(module, module.forward, [(call, {})])
+            error = (built.fn(*call) - reference).abs().max().item()
+            notes[label] = f"max abs error {error:.1e}" + (f", fused {built.fn.kernels}" if built.fn.kernels else "")
+            fns[label] = built.fn
+        latencies, failures = time_interleaved(fns, [(call, {})], warmup=3, repeats=rounds, baseline="eager")
+    assert not failures, failures
+    return {"latencies": latencies, "notes": notes, "build_s": tuning_builds(module, call)}
+
+
+def tuning_builds(module: torch.nn.Module, call: tuple[torch.Tensor, ...]) -> dict[str, float | None]:
+    """Build seconds per candidate of one tuning with `precision="auto"` (ONNX Runtime only, exact shapes)."""
+    config = {"backends": ["onnxruntime"], "precision": "auto", "shapes": "exact", "min_speedup": 0, "progress": False,
+              "warmup": 1, "repeats": 3}  # fmt: skip
+    registration = register({"block": module}, config)
+    try:
+        with torch.no_grad():
+            module(*call)
+            registration.tune()
+            module(*call)
+        (signature,) = registration.targets["block"].report().signatures
+        return {c.backend: c.build_seconds for c in signature.candidates}
+    finally:
+        registration.detach()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--rounds", type=int, default=31)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"machine: {cpu_model()}; load average before: {os.getloadavg()}")
+    print("| workload | eager ms | ORT ms | ORT fused ms | fused vs ORT | build s in a tuning: ORT / fused | notes |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="aitune_hf_fused_") as folder:
+        for name in args.workloads.split(","):
+            result = measure(name, Path(folder), args.rounds)
+            ms = {k: v * 1e3 for k, v in result["latencies"].items()}
+            notes = "; ".join(f"{k}: {v}" for k, v in result["notes"].items())
+            builds = result["build_s"]
+            plain, fused = builds.get("onnxruntime"), builds.get("onnxruntime(kernels=fused)")
+            cost = f"{plain or 0:.1f} / {fused or 0:.1f}"
+            print(f"| {name} | {ms['eager']:.3f} | {ms['ort']:.3f} | {ms['ort_fused']:.3f} | "
+                  f"{ms['ort'] / ms['ort_fused']:.2f}x | {cost} | {notes} |", flush=True)  # fmt: skip
+    print(f"load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
