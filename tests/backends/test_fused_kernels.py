@@ -110,6 +110,26 @@ def test_the_fused_variant_reuses_the_fp32_export_of_the_same_tuning_and_leaves_
         torch.testing.assert_close(fused.fn(*call), module(*call), **FP32)
 
 
+def test_a_warm_cache_serves_the_fused_model_it_wrote(tmp_path) -> None:
+    """A decision for the fused variant read back from the cache loads the fused model the first tuning wrote."""
+    call = _bert_call(2, 8)
+    config = {**ORT, "backends": [OnnxRuntimeBackend(kernels="fused")], "cache_dir": str(tmp_path)}
+    for expected_source in ("export", "cache"):
+        module = BertBlock()
+        registration = register({"block": module}, config)
+        with torch.no_grad():
+            reference = module(*call)
+            registration.tune()
+            module(*call)
+            served = module(*call)
+        target = registration.targets["block"]
+        assert target.report().backend == "onnxruntime(kernels=fused)", registration.report()
+        assert target.calls_served["onnxruntime(kernels=fused)"] >= 1
+        assert (target.report().signatures[0].from_cache is not None) == (expected_source == "cache")
+        torch.testing.assert_close(served, reference, **FP32)
+        registration.detach()
+
+
 def test_where_nothing_fuses_the_variant_is_unavailable_before_any_session() -> None:
     torch.manual_seed(0)
     with pytest.raises(CandidateUnavailable, match=NOTHING_TO_FUSE):
