@@ -384,7 +384,7 @@ def cmd_demo(args: argparse.Namespace, out: Any) -> int:
             if args.json:
                 say(f"report JSON written to {_write_json(report, facts, args.json)}")
             work.obj.disable_aitune()
-    from aitune_hf.core import hardware
+    from aitune_hf import hardware
 
     speedup = (report.end_to_end or {}).get("speedup")
     measured = f"end to end {speedup:.2f}x (measured)" if speedup else "end to end not measured"

@@ -42,7 +42,7 @@ benchmarks, for a latency to trust).
 What the benchmarks and notebooks say about a session, named here so that they use the public API only:
 `measure(reference, output)` (the quality figure of an output against eager's: PSNR, cosine, argmax, tokens;
 `aitune_hf.core.quality`), `describe_machine()` (the CPU model and the flags that change kernels, for speed claims;
-`aitune_hf.core.hardware`) and `details(report.to_dict())` (every candidate per target and input signature, as
+`aitune_hf.hardware`) and `details(report.to_dict())` (every candidate per target and input signature, as
 `aitune-hf report --details` prints it). The timer is `aitune_hf.Stopwatch`.
 """
 
@@ -54,9 +54,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aitune_hf.core.config import DEFAULT_TOLERANCES
-from aitune_hf.core.hardware import describe as describe_machine
 from aitune_hf.core.quality import QualityFigure, measure
 from aitune_hf.core.timing import Stopwatch
+from aitune_hf.hardware import describe as describe_machine
 
 if TYPE_CHECKING:
     import numpy as np

@@ -80,8 +80,9 @@ class OnnxRuntimeBackend(Backend):
     `precision="int8"` (reduced precision, opt-in through `TuningConfig.precision`): the exported model's MatMul and
     Gemm nodes with constant weights are quantized dynamically (`onnxruntime.quantization.quantize_dynamic`: weights
     int8 per output channel, activations uint8 quantized per call: the U8S8 format ONNX Runtime documents for CPUs
-    with VNNI); convolutions stay fp32. Needs baked weights. The fp32 export of the same module and call, made for
-    the fp32 candidate of the same tuning, is reused: the variant costs a quantization, not a second export.
+    with VNNI; U8U8 on a CPU without, where U8S8 saturates); convolutions stay fp32. Needs baked weights. The fp32
+    export of the same module and call, made for the fp32 candidate of the same tuning, is reused: the variant costs
+    a quantization, not a second export.
 
     `kernels`: "default" leaves kernel choice to ONNX Runtime's own graph optimisations. "fused" first rewrites the
     exported model with onnxscript's ONNX Runtime fusions (`_fuse`: the steps of `optimize_for_ort` without its
@@ -476,8 +477,8 @@ def _contrib_ops(graph: Any) -> dict[str, int]:
 
 
 def _quantize_int8(proto: Any) -> Any:
-    """`proto` with its MatMul and Gemm nodes quantized dynamically: int8 weights per output channel, uint8
-    activations (U8S8); the rest, convolutions included, stays fp32."""
+    """`proto` with its MatMul and Gemm nodes quantized dynamically: 8-bit weights per output channel, uint8
+    activations (U8S8, or U8U8 without VNNI: `_quantize_int8_file`); the rest, convolutions included, stays fp32."""
     import onnx
 
     with tempfile.TemporaryDirectory(prefix="aitune_hf_int8_") as folder:
@@ -488,11 +489,17 @@ def _quantize_int8(proto: Any) -> Any:
 
 
 def _quantize_int8_file(source: Path, target: Path) -> None:
-    """`_quantize_int8` from model file to model file."""
+    """`_quantize_int8` from model file to model file, in the format ONNX Runtime documents for this CPU: U8S8 (int8
+    weights) where it has int8 dot-product instructions (VNNI, AMX-INT8); U8U8 (uint8 weights) elsewhere, where U8S8's
+    AVX2 kernel (VPMADDUBSW) saturates its 16-bit sums: on an AVX2-only AMD EPYC a test MLP's outputs were then 0.087
+    off (relative), outside the test's 0.05, which U8U8 meets."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    from aitune_hf.hardware import cpu_int8_reason
+
+    weights = QuantType.QInt8 if cpu_int8_reason() is None else QuantType.QUInt8
     quantize_dynamic(
-        source, target, op_types_to_quantize=["MatMul", "Gemm"], per_channel=True, weight_type=QuantType.QInt8,
+        source, target, op_types_to_quantize=["MatMul", "Gemm"], per_channel=True, weight_type=weights,
         extra_options={"MatMulConstBOnly": True},
     )  # fmt: skip
 

@@ -8,7 +8,7 @@
 - `backends`: each candidate, with its options (`Backend.describe`).
 - `versions`: the core's (python, torch, aitune-hf), and each backend's own packages (`Backend.versions`).
 - `strategy`, `min_speedup`, `precision`, `quality`, `tolerances`: the config (how the choice was made).
-- `device`, `threads`: the machine (`core/hardware.py`): CPU architecture, ISA and flags, or GPU and capability.
+- `device`, `threads`: the machine (`aitune_hf/hardware.py`): CPU architecture, ISA and flags, or GPU and capability.
 
 `versions` holds the packages of every backend this process knows (`backends.base.backend_classes`), not only of
 the candidates: that is what the key has always held (ONNX Runtime's versions in every key), so entries written
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from aitune_hf import hardware
 from aitune_hf.backends.base import Backend, backend_classes, installed_version
-from aitune_hf.core import hardware
 from aitune_hf.core.guards import ModuleGuard
 from aitune_hf.core.signature import InputSignature
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from aitune_hf import hardware
 from aitune_hf.backends.base import Backend
-from aitune_hf.core import hardware
 
 if TYPE_CHECKING:
     from aitune_hf.core.config import TuningConfig

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[2] / "aitune_hf"
 HF_LIBRARIES = {"diffusers", "transformers", "accelerate", "huggingface_hub"}
 
@@ -73,12 +75,16 @@ def test_backends_import_no_other_backend_nor_core() -> None:
         if path.name in ("__init__.py", "base.py"):
             continue
         own = {name for name in _imports(path) if name.startswith("aitune_hf")}
-        assert own <= {"aitune_hf.backends.base", "aitune_hf.errors"}, f"{path.name} imports {own}"
+        assert own <= {"aitune_hf.backends.base", "aitune_hf.errors", "aitune_hf.hardware"}, (
+            f"{path.name} imports {own}"
+        )
 
 
-def test_errors_module_is_a_leaf() -> None:
-    """Every layer raises from aitune_hf.errors, so it imports nothing of aitune_hf."""
-    assert not any(name.startswith("aitune_hf") for name in _imports(PACKAGE / "errors.py"))
+@pytest.mark.parametrize("leaf", ["errors.py", "hardware.py"])
+def test_leaf_modules_import_nothing_of_the_package(leaf: str) -> None:
+    """Every layer raises from aitune_hf.errors and asks aitune_hf.hardware what this machine computes natively, so
+    neither imports anything of aitune_hf."""
+    assert not any(name.startswith("aitune_hf") for name in _imports(PACKAGE / leaf))
 
 
 def _module_name(path: Path) -> str:

@@ -7,9 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from aitune_hf import TargetState, TuningConfig, register
+from aitune_hf import TargetState, TuningConfig, hardware, register
 from aitune_hf.backends import InductorBackend, OnnxRuntimeBackend
-from aitune_hf.core import hardware
 from aitune_hf.core.precision import native_reason, with_precisions
 from aitune_hf.core.quality import measure
 from aitune_hf.errors import ConfigError

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from aitune_hf import AITunePipeline, TargetState, enable_aitune
-from aitune_hf.core import hardware
+from aitune_hf import AITunePipeline, TargetState, enable_aitune, hardware
 from aitune_hf.core.quality import measure
 from aitune_hf.session import run_session
 from aitune_hf.testing import build_family, call_family, family_inputs, load_family

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aitune_hf import AITuneModel, TargetState, enable_aitune
-from aitune_hf.core import hardware
+from aitune_hf import AITuneModel, TargetState, enable_aitune, hardware
 from aitune_hf.testing import minilm_path
 from tests.quick import ORT_FAMILY
 

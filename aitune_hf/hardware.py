@@ -3,8 +3,9 @@ trying here. Read once, never assumed: the project's machines differ (an Intel w
 and AVX512-VNNI, an AMD EPYC with AVX2 only), and a reduced precision the hardware emulates is slower than fp32 (a
 bf16 linear on an AVX2-only host: 7x slower; int8 without VNNI: no faster than fp32, docs/precision.md).
 
-The one place that reads CPU flags: the cache key (`core/cache.py`), the precision candidates (`core/precision.py`) and
-the benchmarks (`benchmarks/machine.py`) use it.
+The one place that reads CPU flags, below the core and the backends: the cache key (`core/keys.py`), the precision
+candidates (`core/precision.py`), the int8 format of ONNX Runtime (`backends/onnxruntime.py`) and the benchmarks
+(`aitune_hf.session.describe_machine`) use it.
 """
 
 from __future__ import annotations
