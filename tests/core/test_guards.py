@@ -219,6 +219,59 @@ def test_only_the_full_check_sees_a_single_element_written_through_data() -> Non
     assert "0.weight was modified" in (full.check() or "")
 
 
+def test_sampled_check_follows_a_moved_storage_and_keeps_the_build_values() -> None:
+    """The per-call sample views (and the NumPy views of their fast path) are re-made when a tensor's storage moves:
+    an edit of the new storage is seen, and the new storage is compared with the values at build time, never with
+    values re-taken after the move (a move to other values of the same L2 norm is a change)."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(96, 200))
+    guard = ModuleGuard(block, weights=True)
+    weight = block[0].weight
+    weight.data = weight.data.clone()  # equal values in new storage: holds, and the samples move with it
+    assert guard.check() is None
+    weight.data.add_(0.01)  # through .data on the new storage: no version bump, seen by the moved samples
+    assert "weight 0.weight was modified" in (guard.check() or "")
+    weight.data.sub_(0.01)
+    block2 = nn.Sequential(nn.Linear(96, 200))
+    guard2 = ModuleGuard(block2, weights=True)
+    block2[0].weight.data = block2[0].weight.data.flip(0).contiguous()  # same norm, other values in each place
+    assert "weight 0.weight was modified" in (guard2.check() or "")
+
+
+@pytest.mark.parametrize("dtypes", ["float16", "bfloat16", "mixed"])
+def test_sampled_check_sees_data_edits_in_every_dtype(dtypes: str) -> None:
+    """One dtype NumPy has (float16) takes the NumPy fast path; bfloat16 and mixed dtypes the torch path: each sees
+    an edit through `.data`, and holds while nothing changes."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(96, 200), nn.Linear(200, 64))
+    if dtypes == "mixed":
+        block[1].half()
+    else:
+        block.to(getattr(torch, dtypes))
+    guard = ModuleGuard(block, weights=True)
+    assert (guard._weights._arrays is not None) == (dtypes == "float16")  # which path this case covers
+    assert guard.check() is None
+    block[1].weight.data.add_(0.5)
+    assert "weight 1.weight was modified" in (guard.check() or "")
+
+
+def test_a_served_block_follows_moved_weights_and_runs_eager_after_an_edit() -> None:
+    """Through the router, compared with eager in the same state: weights moved with equal values keep serving the
+    ONNX Runtime build; an edit through `.data` after the move runs eager."""
+    block, x, reg = _tuned()
+    target = reg.targets["block"]
+    with torch.no_grad():
+        block.inner.weight.data = block.inner.weight.data.clone()
+        served = target.calls_served.get("onnxruntime", 0)
+        torch.testing.assert_close(block(x), Block.forward(block, x))
+        assert target.calls_served.get("onnxruntime", 0) == served + 1
+        block.inner.weight.data.mul_(1.5)
+        eager = target.calls_served.get("eager", 0)
+        torch.testing.assert_close(block(x), Block.forward(block, x), rtol=0, atol=0)
+        assert target.calls_served.get("eager", 0) == eager + 1
+    reg.detach()
+
+
 def test_aitune_bookkeeping_held_by_a_module_is_not_module_state() -> None:
     """A model that holds its own registration (the HF mixin keeps it in the model's __dict__, and a whole model
     can be a target) must not fail its guard every call because the registration's counters move."""
