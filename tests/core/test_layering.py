@@ -153,8 +153,8 @@ def test_every_arrow_points_one_way() -> None:
 
 #: The public API: what benchmarks and notebooks may import of aitune_hf (the package's own names, and these
 #: documented modules). Everything else (core, hf, cli, backends' own files) is internal and may change.
-PUBLIC = frozenset({"aitune_hf", "aitune_hf.backends", "aitune_hf.errors", "aitune_hf.plotting", "aitune_hf.serving",
-                    "aitune_hf.session", "aitune_hf.testing"})  # fmt: skip
+PUBLIC = frozenset({"aitune_hf", "aitune_hf.backends", "aitune_hf.errors", "aitune_hf.hardware", "aitune_hf.plotting",
+                    "aitune_hf.serving", "aitune_hf.session", "aitune_hf.testing"})  # fmt: skip
 #: Internal imports a benchmark makes on purpose, with why.
 INTERNAL_ON_PURPOSE = {
     # It times the per-call guard checks themselves (issue 7): it needs the guard class and reads its parts.
