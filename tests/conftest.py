@@ -79,16 +79,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return WholeModules(config, log)
 
 
-#: Modules of single tests that each take 30-180 s on a slow host (notebooks, docs): they start first, so that the
-#: suite does not end on one of them while the other worker idles. On the 2-core AVX2-only AMD EPYC the suite ended on
-#: notebook 01 (178 s) alone, and took 1614 s.
-SLOW_FIRST = ("tests/test_notebooks.py", "tests/test_docs.py")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # A stable sort: the scheduler (`WholeModules`) hands out whole modules first, then single tests in this order.
-    order = {module: rank for rank, module in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: order.get(item.nodeid.split("::", 1)[0], len(order)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
