@@ -12,6 +12,7 @@ import contextlib
 import copy
 import importlib
 import importlib.util
+import inspect
 import logging
 import os
 import pickle
@@ -682,19 +683,76 @@ def _export_flat(
     if dims is not None:
         auto = torch.export.Dim.AUTO
         dynamic_shapes = (tuple(None for _ in weights) + tuple({d: auto for d in f} or None for f in dims),)
-    return torch.onnx.export(
+    registry = _torchlib_registry(opset_version)
+    if registry is None:  # a torch whose exporter moved: its public call, which builds the table every time
+        return torch.onnx.export(
+            flat,
+            example,
+            dynamic_shapes=dynamic_shapes,
+            input_names=weight_names + input_names,
+            output_names=output_names,
+            opset_version=opset_version,
+            dynamo=True,
+            optimize=True,
+            verbose=False,  # no "[torch.onnx] ..." progress lines (the exporter's only prints to stdout)
+            report=False,
+            dump_exported_program=False,
+        )
+    from torch.onnx._internal.exporter import _core
+
+    # What `torch.onnx.export(..., dynamo=True)` does for these arguments (`_compat.export_compat`: tensor-only
+    # positional examples, `Dim` dynamic shapes, no custom ops, no file), less building the table.
+    return _core.export(
         flat,
         example,
+        None,
+        registry=registry,
         dynamic_shapes=dynamic_shapes,
         input_names=weight_names + input_names,
         output_names=output_names,
-        opset_version=opset_version,
-        dynamo=True,
+        opset_version=opset_version or _default_opset(),
         optimize=True,
         verbose=False,  # no "[torch.onnx] ..." progress lines (the exporter's only prints to stdout)
         report=False,
+        verify=False,
+        profile=False,
         dump_exported_program=False,
     )
+
+
+_registries: dict[int, Any] = {}
+_registry_lock = threading.Lock()
+
+
+def _default_opset() -> int:
+    from torch.onnx import _constants as onnx_constants
+
+    return onnx_constants.ONNX_DEFAULT_OPSET
+
+
+def _torchlib_registry(opset_version: int | None) -> Any:
+    """The exporter's table of ATen -> ONNX functions for this opset, built once per process.
+
+    `torch.onnx.export` builds it on every call: about 2 s, a third of a small block's export here (profiled on an SD
+    block: 2 s of 6 s), and every block of every tuning paid it. The exporter only reads it (`_dispatching`,
+    `_decomp`), so one table serves every export, from any thread. None when this torch's exporter lacks the private
+    pieces (`_core.export(registry=...)`, `ONNXRegistry.from_torchlib`): the caller then uses `torch.onnx.export`,
+    which is slower, not different; `tests/backends/test_onnxruntime.py` fails on the pinned torch if they moved."""
+    try:
+        from torch.onnx._internal.exporter import _constants, _core, _registration
+    except ImportError:
+        return None
+    if "registry" not in inspect.signature(_core.export).parameters:
+        return None
+    opset = opset_version or _default_opset()
+    registry_opset = max(opset, _constants.TORCHLIB_OPSET)  # as `export_compat` does for older opsets
+    with _registry_lock:
+        registry = _registries.get(registry_opset)
+        if registry is None:
+            registry = _registries[registry_opset] = _registration.ONNXRegistry.from_torchlib(
+                opset_version=registry_opset
+            )
+    return registry
 
 
 class _WorkerBuild:

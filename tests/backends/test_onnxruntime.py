@@ -308,3 +308,33 @@ def test_a_graph_with_a_constant_folded_from_weights_is_exported_for_every_sibli
     with torch.no_grad():
         for module, built in zip(siblings, builds, strict=True):
             torch.testing.assert_close(built.fn(x), module(x), **TOL)
+
+
+def test_the_exporter_table_is_built_once_and_exports_what_torch_onnx_export_does() -> None:
+    """`_export_flat` hands the exporter one ATen -> ONNX table per process (torch.onnx.export builds it on every call,
+    about 2 s); on the pinned torch the private pieces it needs are where it expects them (otherwise it falls back to
+    torch.onnx.export, slower), and the model it exports is byte for byte the public call's."""
+    from torch.onnx._internal.exporter import _core
+
+    from aitune_hf.backends import onnxruntime as ort_backend
+
+    registry = ort_backend._torchlib_registry(None)
+    assert registry is not None, "torch's exporter moved: _export_flat falls back to torch.onnx.export"
+    assert ort_backend._torchlib_registry(None) is registry
+    assert ort_backend._torchlib_registry(ort_backend._default_opset()) is registry
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.gelu(self.norm(self.proj(x))) + x
+
+    block, x = Block().eval(), torch.randn(2, 3, 8)
+    dims = ({0: torch.export.Dim.AUTO},)
+    public = torch.onnx.export(block, (x,), dynamic_shapes=dims, dynamo=True, optimize=True, verbose=False)
+    cached = _core.export(block, (x,), None, registry=registry, dynamic_shapes=dims, optimize=True, verbose=False,
+                          opset_version=ort_backend._default_opset())  # fmt: skip
+    assert cached.model_proto.SerializeToString() == public.model_proto.SerializeToString()
