@@ -733,11 +733,12 @@ def _default_opset() -> int:
 def _torchlib_registry(opset_version: int | None) -> Any:
     """The exporter's table of ATen -> ONNX functions for this opset, built once per process.
 
-    `torch.onnx.export` builds it on every call: about 2 s, a third of a small block's export here (profiled on an SD
-    block: 2 s of 6 s), and every block of every tuning paid it. The exporter only reads it (`_dispatching`,
-    `_decomp`), so one table serves every export, from any thread. None when this torch's exporter lacks the private
-    pieces (`_core.export(registry=...)`, `ONNXRegistry.from_torchlib`): the caller then uses `torch.onnx.export`,
-    which is slower, not different; `tests/backends/test_onnxruntime.py` fails on the pinned torch if they moved."""
+    `torch.onnx.export` builds it on every call: about 2 s, and every block of every tuning paid it (a diffusers
+    `BasicTransformerBlock`'s export: 5.0 s with it, 2.65 s without, on an AVX2-only AMD EPYC; docs/backends.md).
+    The exporter only reads it (`_dispatching`, `_decomp`), so one table serves every export, from any thread.
+    None when this torch's exporter lacks the private pieces (`_core.export(registry=...)`,
+    `ONNXRegistry.from_torchlib`): the caller then uses `torch.onnx.export`, which is slower, not different;
+    `tests/backends/test_onnxruntime.py` fails on the pinned torch if they moved."""
     try:
         from torch.onnx._internal.exporter import _constants, _core, _registration
     except ImportError:
