@@ -53,6 +53,9 @@ class BuiltBackend:
     fell_back: Callable[[], int] | None = None
     #: The artifact was read from a cache (`ArtifactPlace.load`) rather than built here.
     loaded: bool = False
+    #: Made from an earlier build's work in this process (`BuildContext.sibling`, `BuildContext.state`) with this
+    #: module's weights put in, not built afresh: if it fails its check, the core builds again without reuse.
+    reused: bool = False
 
 
 class ArtifactPlace(abc.ABC):
@@ -81,10 +84,17 @@ class BuildContext:
             decision the core is applying: a backend may reuse that build's work with this module's weights
             (ONNX Runtime reuses the export). The core checks the result against eager as any build, and
             builds afresh, without this flag, if the check fails.
+        state: returns (computed on first call) a digest of the module being tuned as the core guards it
+            (`core.keys.build_state`: structure, plain values, memory layout, training; the recorded calls'
+            signatures and modes; not weight values); None outside the core. Builds of modules with equal digests
+            in this process may reuse each other's work with this module's weights (ONNX Runtime reuses the
+            export): a block tuned again (after `disable_aitune`, a weight edit, another precision) or a second
+            pipeline of the same architecture exports nothing. Checked, and rebuilt afresh on failure, as `sibling`.
     """
 
     place: ArtifactPlace | None = None
     sibling: bool = False
+    state: Callable[[], str] | None = None
     #: Scratch space shared by the builds of one tuning of one module (None outside one): a reduced-precision variant
     #: reuses there what the fp32 build of the same backend made (ONNX Runtime's int8 variant: the fp32 export).
     shared: dict[Any, Any] | None = None

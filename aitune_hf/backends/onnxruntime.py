@@ -8,6 +8,7 @@ core watches them. See `OnnxRuntimeBackend` for why "baked" is the default.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import importlib
@@ -139,9 +140,9 @@ class OnnxRuntimeBackend(Backend):
         self.opset_version = opset_version
         self.artifact_dir = Path(artifact_dir) if artifact_dir else None
         self.weights = weights
-        #: Exports of earlier builds with their weights taken out, by sibling key (`_sibling_key`): an identical
-        #: sibling's build puts its own weights in instead of exporting again.
-        self._skeletons: dict[Any, _Skeleton] = {}
+        #: In the keys of this instance's sibling exports (`_skeleton_keys`): a sibling reuses an export of the same
+        #: registration's candidate only, as the sibling decision it applies is that registration's.
+        self._own = object()
 
     @property
     def bakes_weights(self) -> bool:  # type: ignore[override]
@@ -247,15 +248,18 @@ class OnnxRuntimeBackend(Backend):
 
         names = (weight_names, input_names, output_names)
 
+        raw: list[Any] = []  # the export before onnxscript's optimizer, for `_Skeleton`
+
         def export(dims: list[frozenset[int]] | None) -> Any:
             # The exporter swaps the module's parameters for fake tensors while it traces: export a private copy,
             # so that other threads can keep calling the user's module meanwhile. The session reads nothing of it.
             # A fresh copy and fresh example tensors per attempt: a failed trace leaves symbolic state on them.
             twin, twin_forward = _private_twin(module, forward)
             return _export_flat(twin, twin_forward, weights, in_leaves, in_spec, tensor_positions, module.training,
-                                dims, names, self.opset_version)  # fmt: skip
+                                dims, names, self.opset_version, raw)  # fmt: skip
 
-        place, sibling_build = current_build().place, current_build().sibling
+        place = current_build().place
+        reused = False
         cached = place.load(self, bakes) if place is not None else None
         large = bakes and _needs_external_data(module)
         if self.kernels == "fused" and large and cached is None:
@@ -278,12 +282,15 @@ class OnnxRuntimeBackend(Backend):
             # and starting the build process (a Python that imports torch and onnx) would add seconds to its warm-up.
             model, path, cleanup = str(cached / _MODEL_FILE), cached / _MODEL_FILE, None
         else:
-            # An identical sibling's export (same class, weight shapes and call) with this module's weights put in,
-            # when the core applies that sibling's decision (it checks the result, and exports afresh if it fails).
+            # An identical module's export with this module's weights put in (`_skeleton_keys`): a sibling's, when
+            # the core applies that sibling's decision, or any earlier build's of a module in the same state called
+            # alike. The core checks the result, and builds afresh without reuse if it fails.
             call_key = _sibling_key(module, in_leaves, in_spec, dynamic)
-            sibling = call_key if bakes and not large else None
-            skeleton = self._skeletons.get(sibling) if sibling is not None and sibling_build else None
+            reusable = bakes and not large
+            keys = _skeleton_keys(self._own, module, forward, call_key, self.opset_version) if reusable else []
+            skeleton = _find_skeleton(keys)
             proto = _quietly(skeleton.fill, module) if skeleton is not None else None
+            reused = proto is not None
             shared = current_build().shared
             if proto is None and shared is not None:  # the export another precision's build of this call made
                 proto = shared.get(("onnx_export", call_key))
@@ -310,13 +317,10 @@ class OnnxRuntimeBackend(Backend):
                 exported = True
             if exported and shared is not None:  # for the other precision's build of this call, in this tuning
                 shared[("onnx_export", call_key)] = proto if proto is not None else program.model_proto
-            if sibling is not None and skeleton is None:  # this export, for the identical siblings to come
-                proto = proto if proto is not None else program.model_proto
-                skeleton = _quietly(_Skeleton.of, proto, module)
+            if keys and raw:  # this export, for the identical modules to come
+                skeleton = _quietly(_Skeleton.of, raw[0], module, (weight_names + input_names, output_names))
                 if skeleton is not None:
-                    self._skeletons[sibling] = skeleton
-                    while len(self._skeletons) > _SKELETONS_KEPT:
-                        self._skeletons.pop(next(iter(self._skeletons)))
+                    _keep_skeleton(keys, skeleton)
             if worker is not None:  # the model the worker made (fused and quantized when asked) is the one to keep
                 fused_ops = worker.fused
                 if fused_ops is not None and not fused_ops:
@@ -360,7 +364,7 @@ class OnnxRuntimeBackend(Backend):
         if cached is not None:
             _check_interface(session, weight_names + input_names, output_names)
         runner = _SessionRunner(
-            source="cache" if cached is not None else "export" if exported else "sibling",
+            source="cache" if cached is not None else "reused" if reused else "export" if exported else "shared",
             session=session,
             device=device,
             input_positions={name: tensor_positions[i] for i, name in enumerate(input_names)},
@@ -380,7 +384,12 @@ class OnnxRuntimeBackend(Backend):
         dynamic_dims = _free_dims(session, input_names, [in_leaves[i] for i in tensor_positions]) if dynamic else None
         artifacts = [path.parent] if place is not None and path is not None else [path] if path else []
         return BuiltBackend(
-            fn=runner, bakes_weights=bakes, artifacts=artifacts, dynamic_dims=dynamic_dims, loaded=cached is not None
+            fn=runner,
+            bakes_weights=bakes,
+            artifacts=artifacts,
+            dynamic_dims=dynamic_dims,
+            loaded=cached is not None,
+            reused=reused,
         )
 
     def _place(
@@ -419,8 +428,56 @@ class OnnxRuntimeBackend(Backend):
         return str(path), path, cleanup
 
 
-#: Sibling exports kept per backend instance (their graphs, without weights).
-_SKELETONS_KEPT = 16
+#: Exports kept for reuse in this process, their weights taken out (`_Skeleton`): graphs only, a few hundred KB each
+#: at most; the least recently used goes first.
+_SKELETONS_KEPT = 64
+_skeletons: collections.OrderedDict[Any, _Skeleton] = collections.OrderedDict()
+_skeletons_lock = threading.Lock()
+
+
+def _skeleton_keys(
+    owner: object,
+    module: torch.nn.Module,
+    forward: Callable[..., Any],
+    call_key: tuple[Any, ...],
+    opset_version: int | None,
+) -> list[tuple[Any, ...]]:
+    """The keys under which this build may find, and keeps, an export without weights (`_Skeleton`):
+    - ("sibling", owner, ...): while the core applies an identical sibling's decision (`BuildContext.sibling`: same
+      class, weight shapes and call, which is all the sibling decision promises), from the same backend instance;
+    - ("state", ...): when the core gives the module's state digest (`BuildContext.state`: structure, plain values,
+      the calls' signature and modes, training) and the forward is the module's own method, whose function is in
+      the key (a closure or hook could trace to another graph).
+    The opset is in both; precision and fused kernels are not (they rewrite the export afterwards)."""
+    build = current_build()
+    keys: list[tuple[Any, ...]] = [("sibling", owner, opset_version, call_key)]
+    function = getattr(forward, "__func__", None)
+    if build.state is not None and function is not None and getattr(forward, "__self__", None) is module:
+        keys.append(("state", opset_version, build.state(), call_key, function))
+    return keys
+
+
+def _find_skeleton(keys: list[tuple[Any, ...]]) -> _Skeleton | None:
+    """The kept export under the first key that has one; a sibling's only while the core applies its decision."""
+    sibling = current_build().sibling
+    with _skeletons_lock:
+        for key in keys:
+            if key[0] == "sibling" and not sibling:
+                continue
+            skeleton = _skeletons.get(key)
+            if skeleton is not None:
+                _skeletons.move_to_end(key)
+                return skeleton
+    return None
+
+
+def _keep_skeleton(keys: list[tuple[Any, ...]], skeleton: _Skeleton) -> None:
+    with _skeletons_lock:
+        for key in keys:
+            _skeletons[key] = skeleton
+            _skeletons.move_to_end(key)
+        while len(_skeletons) > _SKELETONS_KEPT:
+            _skeletons.popitem(last=False)
 
 
 def _fuse(proto: Any) -> tuple[Any, dict[str, int]]:
@@ -525,59 +582,40 @@ def _quietly(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class _Skeleton:
-    """An exported model with its weights taken out: which initializer holds which weight, as is or transposed
-    (the exporter folds `weight.T` of a Linear into an initializer of its own)."""
+    """An export before onnxscript's optimizer, its weights taken out. There every parameter and buffer the graph reads
+    is an initializer named as in the module, and nothing is computed from them yet (`weight.T`, `weight * 2`,
+    GroupNorm's reshaped scale stay nodes), so `fill` puts another module's weights in by name and optimizes as the
+    exporter does: the model that exporting that module would give (tests/backends/test_onnxruntime.py)."""
 
-    def __init__(self, proto: Any, slots: list[tuple[int, str, bool]]) -> None:
-        self.proto, self.slots = proto, slots
+    def __init__(self, proto: Any, slots: list[tuple[int, str]], names: tuple[list[str], list[str]]) -> None:
+        self.proto, self.slots, self.names = proto, slots, names
 
     @classmethod
-    def of(cls, proto: Any, module: torch.nn.Module) -> _Skeleton | None:
-        """The skeleton of `proto`, exported from `module`; None unless every initializer of two or more
-        elements is one weight of `module`, found by name or (uniquely) by value: an initializer computed from
-        weights in another way would otherwise keep the first module's values."""
-        from onnx import numpy_helper
-
-        weights, seen = {}, set()
-        for name, tensor in _named_weights(module).items():  # a tied weight under its first name only
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                weights[name] = tensor.detach().cpu().numpy()
-        tiny_weights = any(w.size < 2 for w in weights.values())
+    def of(cls, raw: Any, module: torch.nn.Module, names: tuple[list[str], list[str]]) -> _Skeleton:
+        """The skeleton of `raw` (`_export_flat`'s model before its optimizer), exported from `module`; `names`: the
+        model's input and output names, given after optimizing as `_export_flat` gives them."""
+        weights = _named_weights(module)
         slots = []
-        for index, init in enumerate(proto.graph.initializer):
-            value = numpy_helper.to_array(init)
+        for index, init in enumerate(raw.graph.initializer):
             name = init.name.removeprefix("module.")
-            if name in weights and weights[name].shape == value.shape and np.array_equal(weights[name], value):
-                slots.append((index, name, False))
-                continue
-            if value.size < 2 and not tiny_weights:
-                continue  # a constant of the graph (a shape, an epsilon), shared by every sibling
-            found = [(n, False) for n, w in weights.items() if w.shape == value.shape and np.array_equal(w, value)]
-            if value.ndim == 2:
-                found += [
-                    (n, True) for n, w in weights.items() if w.shape == value.shape[::-1] and np.array_equal(w.T, value)
-                ]
-            if len(found) != 1:
-                return None
-            slots.append((index, *found[0]))
-        skeleton = copy.deepcopy(proto)
-        for index, _, _ in slots:
+            if name in weights and tuple(init.dims) == tuple(weights[name].shape):
+                slots.append((index, name))
+        skeleton = copy.deepcopy(raw)
+        for index, _ in slots:
             skeleton.graph.initializer[index].ClearField("raw_data")
-        return cls(skeleton, slots)
+        return cls(skeleton, slots, names)
 
     def fill(self, module: torch.nn.Module) -> Any:
-        """A model for `module`: this skeleton with `module`'s weights."""
+        """A model for `module`: this skeleton with `module`'s weights, optimized as the exporter optimizes."""
+        import onnxscript.ir as ir
         from onnx import numpy_helper
 
         weights = _named_weights(module)
         proto = copy.deepcopy(self.proto)
-        for index, name, transposed in self.slots:
-            tensor = weights[name].detach().cpu()
-            value = np.ascontiguousarray((tensor.T if transposed else tensor).numpy())
-            init = proto.graph.initializer[index]
-            init.CopyFrom(numpy_helper.from_array(value, init.name))
-        return proto
+        for index, name in self.slots:
+            init, value = proto.graph.initializer[index], weights[name].detach().cpu().numpy()
+            init.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), init.name))
+        return ir.serde.serialize_model(_optimized(ir.serde.deserialize_model(proto), *self.names))
 
 
 #: The model's file name inside an artifact folder (external data, if any, sits beside it).
@@ -667,10 +705,13 @@ def _export_flat(
     dims: list[frozenset[int]] | None,
     names: tuple[list[str], list[str], list[str]],
     opset_version: int | None,
+    raw: list[Any] | None = None,
 ) -> Any:
     """One `torch.onnx.export` of `twin_forward`'s call (a private copy's: the exporter swaps its parameters for fake
     tensors while it traces), with the weights as inputs when `weights` names them and the tensor leaves as inputs;
-    `dims`: per tensor input, the dimensions exported as `Dim.AUTO` (None: the example's shapes)."""
+    `dims`: per tensor input, the dimensions exported as `Dim.AUTO` (None: the example's shapes). `raw`, when given,
+    gets the model before onnxscript's optimizer (`_Skeleton`); the program returned is optimized, as
+    `torch.onnx.export(optimize=True)` returns it."""
     weight_names, input_names, output_names = names
     flat = _FlatForward(twin, twin_forward, in_leaves, in_spec, tensor_positions, list(weights)).train(training)
     # Weights are passed as they are (no copy) unless they are inference tensors, which the exporter cannot take
@@ -701,23 +742,39 @@ def _export_flat(
     from torch.onnx._internal.exporter import _core
 
     # What `torch.onnx.export(..., dynamo=True)` does for these arguments (`_compat.export_compat`: tensor-only
-    # positional examples, `Dim` dynamic shapes, no custom ops, no file), less building the table.
-    return _core.export(
+    # positional examples, `Dim` dynamic shapes, no custom ops, no file), less building the table; its last steps
+    # (optimize, then name inputs and outputs) are `_optimized`'s, so that `raw` can keep the model before them.
+    program = _core.export(
         flat,
         example,
         None,
         registry=registry,
         dynamic_shapes=dynamic_shapes,
-        input_names=weight_names + input_names,
-        output_names=output_names,
         opset_version=opset_version or _default_opset(),
-        optimize=True,
+        optimize=False,
         verbose=False,  # no "[torch.onnx] ..." progress lines (the exporter's only prints to stdout)
         report=False,
         verify=False,
         profile=False,
         dump_exported_program=False,
     )
+    if raw is not None:
+        raw.append(program.model_proto)
+    program.model = _optimized(program.model, weight_names + input_names, output_names)
+    return program
+
+
+def _optimized(model: Any, input_names: list[str], output_names: list[str]) -> Any:
+    """What `torch.onnx.export(optimize=True)` does to an exported ONNX IR model after tracing (`_core.export`):
+    onnxscript's optimizer (`ONNXProgram.optimize`), then the inputs and outputs named. In place; returns the model."""
+    from torch.onnx._internal.exporter import _ir_passes, _onnx_program
+
+    model = _onnx_program.onnxscript_apis.optimize(model)
+    if input_names:
+        _ir_passes.rename_inputs(model, input_names)
+    if output_names:
+        _ir_passes.rename_outputs(model, output_names)
+    return model
 
 
 _registries: dict[int, Any] = {}
@@ -1010,7 +1067,8 @@ class _SessionRunner:
         #: The process id of the build process that exported and optimised the model (background tuning), or None
         #: when this process built it.
         self.built_in = built_in
-        #: Where the model came from: "export", "sibling" (an identical sibling's export with these weights), "cache".
+        #: Where the model came from: "export"; "reused" (an identical module's export with these weights:
+        #: `_skeleton_keys`); "shared" (another precision's build of this call, in this tuning); "cache".
         self.source = source
         self.session = session
         self.device = device

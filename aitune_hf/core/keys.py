@@ -139,6 +139,17 @@ def weights_digest(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def build_state(module: torch.nn.Module, signatures: Sequence[InputSignature], dynamic: bool) -> str:
+    """What builds of one process may share work by (`BuildContext.state`): the module's `state_fingerprint`, its
+    training flag, and the recorded calls' signatures (shapes, dtypes, devices, and the modes the calls ran under:
+    autocast, grad, default dtype...) or their family. Weight values are not in it: a build puts its own in."""
+    digest = hashlib.sha256(state_fingerprint(module).encode())
+    digest.update(f"training={module.training} dynamic={dynamic}".encode())
+    for text in sorted({repr(s.family) if dynamic else repr(s) for s in signatures}):
+        digest.update(text.encode())
+    return digest.hexdigest()
+
+
 def state_fingerprint(module: torch.nn.Module) -> str:
     """A digest of what a `ModuleGuard` guards, in a form that is the same in every process: the text of its guard
     list (`ModuleGuard.text`): the structure (each submodule's path and class; each parameter's and buffer's name,

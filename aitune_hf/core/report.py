@@ -46,6 +46,9 @@ class CandidateResult:
     #: here, or cannot take this shape family), "evidence" (a slow build that lost on the first blocks of this
     #: block's kind: `core/strategy.py` `KindEvidence`), or None.
     skipped_for: str | None = None
+    #: Built from an identical module's work in this process (ONNX Runtime: its export, with these weights put in;
+    #: `BuiltBackend.reused`), which is why its build took a fraction of a fresh one's.
+    reused: bool = False
 
     @property
     def ok(self) -> bool:

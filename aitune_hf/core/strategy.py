@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
-from aitune_hf.backends.base import Backend, BuiltBackend, Call, get_backend
+from aitune_hf.backends.base import Backend, BuiltBackend, Call, build_context, get_backend
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.decisions import Decision
 from aitune_hf.core.guards import ModuleGuard
@@ -228,7 +228,21 @@ class TuningJob:
 
     def try_backend(self, backend: Backend) -> tuple[CandidateResult, BuiltBackend | None]:
         """Build `backend` and check it on every sample; never raises for a failing backend. A reduced-precision
-        candidate is checked by its relative error against the per-block budget (`precision.block_budget`)."""
+        candidate is checked by its relative error against the per-block budget (`precision.block_budget`). A build
+        made from an identical module's work (`BuiltBackend.reused`) that fails its check is built again afresh."""
+        result, built = self._try_backend(backend)
+        if built is None and result.reused:
+            logger.debug("%s: a build reusing an identical module's work failed (%s); building afresh",
+                         result.backend, result.error)  # fmt: skip
+            self.report.candidates.remove(result)
+            with build_context(sibling=False, state=None):
+                again, built = self._try_backend(backend)
+            again.build_seconds = (again.build_seconds or 0.0) + (result.build_seconds or 0.0)
+            again.check_seconds = (again.check_seconds or 0.0) + (result.check_seconds or 0.0)
+            result = again
+        return result, built
+
+    def _try_backend(self, backend: Backend) -> tuple[CandidateResult, BuiltBackend | None]:
         result = CandidateResult(backend=backend.describe(), precision=backend.precision)
         budget = block_budget(backend.precision)
         self.report.candidates.append(result)
@@ -247,6 +261,7 @@ class TuningJob:
                     built = backend.build(self.module, self.forward, self.fresh_calls(), dynamic=True)
                 else:
                     built = backend.build(self.module, self.forward, self.fresh_calls())
+            result.reused = built.reused
             worst = worst_rel = 0.0
             with checking, self.mode():
                 for sample, reference in zip(self.samples, self.references, strict=True):

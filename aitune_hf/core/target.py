@@ -40,7 +40,7 @@ from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.decisions import Decision
 from aitune_hf.core.guards import ModuleGuard, training_reason
-from aitune_hf.core.keys import key_fields
+from aitune_hf.core.keys import build_state, key_fields
 from aitune_hf.core.precision import block_budget
 from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import CandidateResult, ModuleReport, SignatureReport
@@ -748,7 +748,10 @@ class Target:
                 layout_of(job.samples[0].args, job.samples[0].kwargs),
             )) as entry,
             build_context(
-                place=entry.place if entry is not None else None, shared={}, private_only=context.background is not None
+                place=entry.place if entry is not None else None,
+                shared={},
+                private_only=context.background is not None,
+                state=functools.cache(lambda: build_state(self.module, signatures, dynamic)),
             ),
         ):  # fmt: skip
             decision = None

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import collections
+import copy
+import uuid
 from typing import Any
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 pytest.importorskip("onnxruntime")
@@ -290,7 +293,8 @@ def test_identical_siblings_share_one_export_with_their_own_weights() -> None:
     backend, x = OnnxRuntimeBackend(), torch.randn(3, 8)
     siblings = [MLP().eval() for _ in range(3)]
     builds = _builds(backend, siblings, x)
-    assert [b.fn.source for b in builds] == ["export", "sibling", "sibling"]
+    assert [b.fn.source for b in builds] == ["export", "reused", "reused"]
+    assert [b.reused for b in builds] == [False, True, True]
     with torch.no_grad():  # outside a sibling's decision (a module re-tuned after its state changed): exported
         assert backend.build(siblings[1], siblings[1].forward, [((x,), {})], dynamic=True).fn.source == "export"
     with torch.no_grad():
@@ -300,14 +304,58 @@ def test_identical_siblings_share_one_export_with_their_own_weights() -> None:
         torch.testing.assert_close(builds[2].fn(wider), siblings[2](wider), **TOL)  # the family's dims stay free
 
 
-def test_a_graph_with_a_constant_folded_from_weights_is_exported_for_every_sibling() -> None:
+def test_a_module_in_the_state_of_one_exported_before_reuses_that_export_with_its_own_weights() -> None:
+    """`BuildContext.state` (the core's digest of a module's guarded state and calls): a module whose digest equals
+    an earlier build's in this process, from any backend instance (a second pipeline), gets that export with its own
+    weights; another digest, or a forward that is not the module's own method (a closure may trace to another
+    graph), exports."""
+    x, digest, other = torch.randn(3, 8), uuid.uuid4().hex, uuid.uuid4().hex
+    first, second, third = (MLP().eval() for _ in range(3))
+    with torch.no_grad():
+        with build_context(state=lambda: digest):
+            a = OnnxRuntimeBackend().build(first, first.forward, [((x,), {})])
+            b = OnnxRuntimeBackend().build(second, second.forward, [((x,), {})])
+            c = OnnxRuntimeBackend().build(third, lambda t: third(t), [((x,), {})])
+        with build_context(state=lambda: other):
+            d = OnnxRuntimeBackend().build(third, third.forward, [((x,), {})])
+        assert [built.fn.source for built in (a, b, c, d)] == ["export", "reused", "export", "export"]
+        assert b.reused and not (a.reused or c.reused or d.reused)
+        for module, built in ((first, a), (second, b), (third, c), (third, d)):
+            torch.testing.assert_close(built.fn(x), module(x), **TOL)  # each with its own weights
+
+
+def test_a_sibling_whose_graph_folds_a_constant_from_its_weights_gets_its_own_values() -> None:
+    """The export is kept before onnxscript's optimizer folds `weight * 2` into a constant (`_Skeleton`): a sibling's
+    build puts its own weights in, then optimizes."""
     backend, x = OnnxRuntimeBackend(), torch.randn(3, 8)
     siblings = [Folded().eval() for _ in range(2)]
     builds = _builds(backend, siblings, x)
-    assert [b.fn.source for b in builds] == ["export", "export"]
+    assert [b.fn.source for b in builds] == ["export", "reused"]
     with torch.no_grad():
         for module, built in zip(siblings, builds, strict=True):
             torch.testing.assert_close(built.fn(x), module(x), **TOL)
+
+
+def _export(module: nn.Module, x: torch.Tensor, raw: list[Any] | None = None) -> Any:
+    """`_export_flat` of `module(x)` with baked weights, as a build exports it (on a private copy)."""
+    from aitune_hf.backends import onnxruntime as ort_backend
+
+    twin = copy.deepcopy(module)
+    leaves, spec = pytree.tree_flatten(((x,), {}))
+    names = ([], ["input_0"], ["output_0"])
+    with torch.no_grad():
+        return ort_backend._export_flat(twin, twin.forward, {}, leaves, spec, [0], False, None, names, None, raw)
+
+
+@pytest.mark.parametrize("kind", [MLP, Folded])
+def test_a_skeleton_filled_with_a_modules_weights_is_byte_for_byte_that_modules_export(kind: type[nn.Module]) -> None:
+    from aitune_hf.backends import onnxruntime as ort_backend
+
+    x, first, second = torch.randn(3, 8), kind().eval(), kind().eval()
+    raw: list[Any] = []
+    _export(first, x, raw)
+    filled = ort_backend._Skeleton.of(raw[0], first, (["input_0"], ["output_0"])).fill(second)
+    assert filled.SerializeToString() == _export(second, x).model_proto.SerializeToString()
 
 
 def test_the_exporter_table_is_built_once_and_exports_what_torch_onnx_export_does() -> None:

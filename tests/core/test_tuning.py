@@ -420,6 +420,40 @@ def test_identical_siblings_share_one_decision() -> None:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+class ScaledByAGlobal(nn.Module):
+    """Scales by a module-level factor that no guard sees: an export bakes the value it read while tracing."""
+
+    factor = [2.0]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * ScaledByAGlobal.factor[0]
+
+
+def test_a_module_like_one_tuned_before_reuses_its_export_and_one_that_disagrees_is_exported_afresh() -> None:
+    """A module in the same guarded state as one tuned before in this process (a second pipeline, a re-tuning) gets
+    that export with its own weights; when it disagrees with eager (the first traced another value of what no guard
+    sees), it never serves: the candidate is built again afresh, and that build serves."""
+    x = torch.randn(4, 16)
+    config = _config(backends=["onnxruntime"], min_speedup=0)
+    seen = []
+    try:
+        for factor in (2.0, 2.0, 3.0):
+            ScaledByAGlobal.factor[0] = factor
+            reg, output, expected = _tune_once(ScaledByAGlobal().eval(), config, x)  # new weights each time
+            torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+            report = reg.reports["block"]
+            (candidate,) = report.signatures[0].candidates
+            seen.append((report.backend, candidate.reused, candidate.error))
+            reg.detach()
+    finally:
+        ScaledByAGlobal.factor[0] = 2.0
+    assert seen == [("onnxruntime", False, None), ("onnxruntime", True, None), ("onnxruntime", False, None)]
+
+
 def test_report_table_json_and_html() -> None:
     block = ManyOpsBlock().eval()
     reg, _, _ = _tune_once(

@@ -1,5 +1,6 @@
 """The persistent cache under a real Diffusers pipeline: a pipeline loaded again starts warm (every block's decision
-and ONNX model from the cache), FreeU (guarded state) is another entry, and images equal eager's each time."""
+and ONNX model from the cache), FreeU (guarded state) is another entry, and images equal eager's each time. Without
+a cache, a second pipeline of the same architecture in the process tunes from the first one's exports."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from aitune_hf import AITunePipeline
 from tests.hf.conftest import run
@@ -32,6 +34,32 @@ def _tuned_images(pipe: AITunePipeline, cache: Path) -> tuple[np.ndarray, np.nda
     run(pipe, "sd")
     assert registration.all_tuned, registration.report()
     return expected, run(pipe, "sd")
+
+
+def test_a_second_pipeline_with_other_weights_tunes_from_the_first_ones_exports_with_its_own(pipeline_folders) -> None:
+    """No cache: the second pipeline's blocks (same architecture and calls, other weights) put their weights into the
+    first pipeline's exports instead of exporting (`BuildContext.state`), and serve their own eager images."""
+    blocks = ["unet.down_blocks.0", "vae.decoder.mid_block"]
+    first, second = _pipe(pipeline_folders["sd"]), _pipe(pipeline_folders["sd"])
+    with torch.no_grad():
+        for parameter in [*second.unet.parameters(), *second.vae.parameters()]:
+            parameter.mul_(1.05)
+    images = {}
+    for pipe in (first, second):
+        expected = run(pipe, "sd")
+        registration = pipe.enable_aitune(blocks, cache="off", **ORT)
+        run(pipe, "sd")
+        run(pipe, "sd")
+        assert registration.all_tuned, registration.report()
+        images[id(pipe)] = run(pipe, "sd")
+        np.testing.assert_allclose(images[id(pipe)], expected, atol=2e-3)
+    assert np.abs(images[id(first)] - images[id(second)]).max() > 1e-2  # each served its own weights
+    for pipe, reused in ((first, False), (second, True)):
+        for name in blocks:
+            (signature,) = pipe.aitune.targets[name].report().signatures
+            (candidate,) = signature.candidates
+            assert (candidate.backend, candidate.reused) == ("onnxruntime", reused), (name, candidate)
+        pipe.disable_aitune()
 
 
 def test_a_pipeline_loaded_again_starts_warm_and_freeu_is_another_entry(pipeline_folders, tmp_path) -> None:
