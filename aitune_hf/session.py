@@ -290,6 +290,7 @@ def details(data: dict[str, Any]) -> str:
                     f"    {cand.get('backend')}: "
                     f"{'-' if speedup is None else f'{speedup:.2f}x'}, "
                     f"max err {'-' if err is None else f'{err:.1e}'}, {seconds}"
+                    + (" (built from an identical module's export)" if cand.get("reused") else "")
                 )
     return "\n".join(lines)
 

@@ -93,6 +93,17 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_exports(request: pytest.FixtureRequest) -> None:
+    """A test marked `fresh_exports` exports every ONNX Runtime build: the exports an earlier test of this worker left
+    for reuse (`backends/onnxruntime.py`, `forget_exports`) are dropped first. For tests whose subject is the export
+    (under threads, in the build process); any other test may be served a reused export, as a user would be."""
+    if request.node.get_closest_marker("fresh_exports") is not None:
+        from aitune_hf.backends.onnxruntime import forget_exports
+
+        forget_exports()
+
+
 def process_state() -> dict[str, Any]:
     """What tuning must never leave changed (issue 8): the standard streams, the warnings filters, the
     levels of the exporter loggers and the root logger, and torch's compiling/exporting flags."""

@@ -248,7 +248,7 @@ class OnnxRuntimeBackend(Backend):
 
         names = (weight_names, input_names, output_names)
 
-        raw: list[Any] = []  # the export before onnxscript's optimizer, for `_Skeleton`
+        raw: list[Any] | None = None  # set to a list to get the export before onnxscript's optimizer (`_Skeleton`)
 
         def export(dims: list[frozenset[int]] | None) -> Any:
             # The exporter swaps the module's parameters for fake tensors while it traces: export a private copy,
@@ -288,6 +288,7 @@ class OnnxRuntimeBackend(Backend):
             call_key = _sibling_key(module, in_leaves, in_spec, dynamic)
             reusable = bakes and not large
             keys = _skeleton_keys(self._own, module, forward, call_key, self.opset_version) if reusable else []
+            raw = [] if keys else None
             skeleton = _find_skeleton(keys)
             proto = _quietly(skeleton.fill, module) if skeleton is not None else None
             reused = proto is not None
@@ -298,10 +299,11 @@ class OnnxRuntimeBackend(Backend):
             if proto is None and offload:
                 worker = _WorkerBuild.export(
                     module, forward, weights, in_leaves, in_spec, tensor_positions, attempts, names,
-                    self.opset_version, int8=self.precision == "int8", fused=self.kernels == "fused",
+                    self.opset_version, int8=self.precision == "int8", fused=self.kernels == "fused", raw=bool(keys),
                 )  # fmt: skip
                 if worker is not None:
                     proto, exported = worker.exported_proto(), True
+                    raw = [worker.raw_proto()] if keys and worker.raw is not None else None
             elif offload:
                 worker = _WorkerBuild.run(source=proto, int8=self.precision == "int8", fused=self.kernels == "fused")
             if proto is None:
@@ -318,7 +320,7 @@ class OnnxRuntimeBackend(Backend):
             if exported and shared is not None:  # for the other precision's build of this call, in this tuning
                 shared[("onnx_export", call_key)] = proto if proto is not None else program.model_proto
             if keys and raw:  # this export, for the identical modules to come
-                skeleton = _quietly(_Skeleton.of, raw[0], module, (weight_names + input_names, output_names))
+                skeleton = _quietly(_Skeleton.of, raw[-1], module, (weight_names + input_names, output_names))
                 if skeleton is not None:
                     _keep_skeleton(keys, skeleton)
             if worker is not None:  # the model the worker made (fused and quantized when asked) is the one to keep
@@ -428,9 +430,9 @@ class OnnxRuntimeBackend(Backend):
         return str(path), path, cleanup
 
 
-#: Exports kept for reuse in this process, their weights taken out (`_Skeleton`): graphs only, a few hundred KB each
-#: at most; the least recently used goes first.
-_SKELETONS_KEPT = 64
+#: Keys of exports kept for reuse in this process (up to two per export: `_skeleton_keys`), their weights taken out
+#: (`_Skeleton`): graphs only, a few hundred KB each at most; the least recently used goes first.
+_SKELETONS_KEPT = 128
 _skeletons: collections.OrderedDict[Any, _Skeleton] = collections.OrderedDict()
 _skeletons_lock = threading.Lock()
 
@@ -455,6 +457,13 @@ def _skeleton_keys(
     if build.state is not None and function is not None and getattr(forward, "__self__", None) is module:
         keys.append(("state", opset_version, build.state(), call_key, function))
     return keys
+
+
+def forget_exports() -> None:
+    """Drop the exports this process keeps for reuse (`_Skeleton`): later builds export afresh. For tests whose
+    subject is the export itself (under threads, in the build process), and to free what they hold."""
+    with _skeletons_lock:
+        _skeletons.clear()
 
 
 def _find_skeleton(keys: list[tuple[Any, ...]]) -> _Skeleton | None:
@@ -592,18 +601,17 @@ class _Skeleton:
 
     @classmethod
     def of(cls, raw: Any, module: torch.nn.Module, names: tuple[list[str], list[str]]) -> _Skeleton:
-        """The skeleton of `raw` (`_export_flat`'s model before its optimizer), exported from `module`; `names`: the
-        model's input and output names, given after optimizing as `_export_flat` gives them."""
+        """The skeleton of `raw` (`_export_flat`'s model before its optimizer, which it takes over), exported from
+        `module`; `names`: the model's input and output names, given after optimizing as `_export_flat` gives them."""
         weights = _named_weights(module)
         slots = []
         for index, init in enumerate(raw.graph.initializer):
             name = init.name.removeprefix("module.")
             if name in weights and tuple(init.dims) == tuple(weights[name].shape):
                 slots.append((index, name))
-        skeleton = copy.deepcopy(raw)
         for index, _ in slots:
-            skeleton.graph.initializer[index].ClearField("raw_data")
-        return cls(skeleton, slots, names)
+            raw.graph.initializer[index].ClearField("raw_data")
+        return cls(raw, slots, names)
 
     def fill(self, module: torch.nn.Module) -> Any:
         """A model for `module`: this skeleton with `module`'s weights, optimized as the exporter optimizes."""
@@ -820,9 +828,10 @@ class _WorkerBuild:
     optimisation off. Files in a folder of this process's, deleted by `remove` once the session is made.
 
     What stays here: the private copy (a deep copy, as without the build process) and its pickling, reading the
-    exported model back (for an identical sibling's build and the int8 variant), an identical sibling's weights put
-    into that export, and the session's loading (weights pre-packed, no graph work). The session's model is the one
-    ONNX Runtime would have made here: the same library, options and machine, the CPU provider only (a CUDA build
+    exported model back (for the int8 variant; and the export before onnxscript's optimizer, for identical modules'
+    builds: `_Skeleton`), an identical module's weights put into such an export and the result optimized by
+    onnxscript, and the session's loading (weights pre-packed, no graph work). The session's model is the one ONNX
+    Runtime would have made here: the same library, options and machine, the CPU provider only (a CUDA build
     stays in this process: the build process touches no GPU). When the block cannot be pickled, or the build process
     fails or ends, `export` and `run` return None (said at DEBUG) and the build runs here as in the foreground."""
 
@@ -830,6 +839,7 @@ class _WorkerBuild:
         self.folder = folder
         self.pid: int = made["pid"]
         self.exported: str | None = made["export"]
+        self.raw: str | None = made.get("raw")
         #: The fused operators by op type (`_fuse`) when fused kernels were asked for, else None; empty: nothing fused,
         #: and then no model was made.
         self.fused: dict[str, int] | None = made.get("fused")
@@ -850,9 +860,10 @@ class _WorkerBuild:
         opset_version: int | None,
         int8: bool,
         fused: bool = False,
+        raw: bool = False,
     ) -> _WorkerBuild | None:
         """Export (the first of `attempts` that traces), fuse when `fused`, quantize when `int8`, optimise: all in the
-        build process."""
+        build process; `raw`: keep the export before onnxscript's optimizer too (`raw_proto`, for `_Skeleton`)."""
         try:
             twin, twin_forward = _private_twin(module, forward)
             # The forward's function, not the bound method: a bound method pickles by attribute name, which on the
@@ -869,6 +880,7 @@ class _WorkerBuild:
             "attempts": attempts,
             "names": names,
             "opset_version": opset_version,
+            "raw": raw,
         }
         return cls._call(job, None, int8, fused)
 
@@ -900,6 +912,12 @@ class _WorkerBuild:
 
         return onnx.load_model(self.exported)
 
+    def raw_proto(self) -> Any:
+        """The export before onnxscript's optimizer, when `export` was asked for it (else None)."""
+        import onnx
+
+        return onnx.load_model(self.raw) if self.raw is not None else None
+
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -922,9 +940,10 @@ def _build_in_worker(
                 # A fresh copy and fresh example tensors per attempt: a failed trace leaves symbolic state on them.
                 twin, function, weights, in_leaves = pickle.loads(job["payload"])
                 try:
+                    raw: list[Any] | None = [] if job.get("raw") else None
                     program = _export_flat(
                         twin, types.MethodType(function, twin), weights, in_leaves, job["spec"],
-                        job["tensor_positions"], job["training"], dims, job["names"], job["opset_version"],
+                        job["tensor_positions"], job["training"], dims, job["names"], job["opset_version"], raw,
                     )  # fmt: skip
                     break
                 except Exception:
@@ -933,6 +952,9 @@ def _build_in_worker(
         source = str(directory / "export.onnx")
         onnx.save_model(program.model_proto, source)
         made["export"] = source
+        if raw:
+            onnx.save_model(raw[-1], str(directory / "raw.onnx"))
+            made["raw"] = str(directory / "raw.onnx")
     assert source is not None
     model = Path(source)
     if fused:

@@ -234,7 +234,8 @@ class TuningJob:
         if built is None and result.reused:
             logger.debug("%s: a build reusing an identical module's work failed (%s); building afresh",
                          result.backend, result.error)  # fmt: skip
-            self.report.candidates.remove(result)
+            candidates = self.report.candidates
+            del candidates[next(i for i, c in enumerate(candidates) if c is result)]
             with build_context(sibling=False, state=None):
                 again, built = self._try_backend(backend)
             again.build_seconds = (again.build_seconds or 0.0) + (result.build_seconds or 0.0)

@@ -8,6 +8,7 @@ import os
 import time
 from typing import Any
 
+import pytest
 import torch
 
 from aitune_hf import TargetState, register
@@ -97,6 +98,7 @@ def _built_in(target: Any) -> int | None:
     return route.built.fn.built_in
 
 
+@pytest.mark.fresh_exports
 def test_background_builds_run_in_the_build_process() -> None:
     """Issue 20: the export, quantization and graph optimisation of a background build run in the build process (the
     GIL of this one stays with the serving threads); the session here serves outputs equal to eager's."""
@@ -106,6 +108,8 @@ def test_background_builds_run_in_the_build_process() -> None:
     assert worker is not None and worker != os.getpid()
     # "2" is an identical sibling of "0": its model is "0"'s export with its own weights, optimised there as well.
     assert [_built_in(target) for target in registration.targets.values()] == [worker, worker]
+    reused = [t.report().signatures[0].candidates[-1].reused for t in registration.targets.values()]
+    assert reused == [False, True]  # "2" from the export the build process kept before optimizing ("0"'s)
     registration.detach()
 
 

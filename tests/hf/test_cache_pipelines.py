@@ -54,12 +54,12 @@ def test_a_second_pipeline_with_other_weights_tunes_from_the_first_ones_exports_
         images[id(pipe)] = run(pipe, "sd")
         np.testing.assert_allclose(images[id(pipe)], expected, atol=2e-3)
     assert np.abs(images[id(first)] - images[id(second)]).max() > 1e-2  # each served its own weights
-    for pipe, reused in ((first, False), (second, True)):
-        for name in blocks:
-            (signature,) = pipe.aitune.targets[name].report().signatures
-            (candidate,) = signature.candidates
-            assert (candidate.backend, candidate.reused) == ("onnxruntime", reused), (name, candidate)
-        pipe.disable_aitune()
+    for name in blocks:  # the first pipeline's may reuse too, from an earlier test's pipeline in this process
+        (signature,) = second.aitune.targets[name].report().signatures
+        (candidate,) = signature.candidates
+        assert (candidate.backend, candidate.reused) == ("onnxruntime", True), (name, candidate)
+    first.disable_aitune()
+    second.disable_aitune()
 
 
 def test_a_pipeline_loaded_again_starts_warm_and_freeu_is_another_entry(pipeline_folders, tmp_path) -> None:

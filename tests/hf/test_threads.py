@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from diffusers import StableDiffusionPipeline
 from transformers import AutoTokenizer
@@ -18,6 +19,9 @@ from tests.hf.conftest import unpatched
 from tests.quick import ORT, ORT_FAMILY
 
 THREADS, CALLS = 8, 50
+
+#: The blocks export while the threads call them (no export kept by an earlier test is reused).
+pytestmark = pytest.mark.fresh_exports
 
 
 def hammer(call: Callable[[int, int], Any], calls: int = CALLS) -> tuple[list[Any], list[BaseException]]:
