@@ -33,7 +33,7 @@ import torch
 from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as files
 
 from aitune_hf import register, time_interleaved
-from aitune_hf.backends import OnnxRuntimeBackend
+from aitune_hf.backends import OnnxRuntimeBackend, forget_exports
 from aitune_hf.testing import build_pipeline, minilm_path
 
 WORKLOADS = ("minilm_b1_s32", "minilm_b32_s64", "sd_small_attention")
@@ -104,6 +104,7 @@ def tuning_builds(module: torch.nn.Module, call: tuple[torch.Tensor, ...]) -> di
     """Build seconds per candidate of one tuning with `precision="auto"` (ONNX Runtime only, exact shapes)."""
     config = {"backends": ["onnxruntime"], "precision": "auto", "shapes": "exact", "min_speedup": 0, "progress": False,
               "warmup": 1, "repeats": 3}  # fmt: skip
+    forget_exports()  # cold builds: no export left for reuse by the builds timed above (docs/backends.md)
     registration = register({"block": module}, config)
     try:
         with torch.no_grad():

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from aitune_hf import Stopwatch, enable_aitune
+from aitune_hf.backends import forget_exports
 from aitune_hf.session import describe_machine
 from aitune_hf.testing import minilm_path
 
@@ -171,6 +172,9 @@ def main() -> None:
         registrations = {"aitune": registration}
         if args.precision == "auto":  # reduced precision, gated end to end on the embeddings
             reduced = SentenceTransformer(path, device="cpu")
+            # Its tuning is timed as cold as the fp32 one: without the exports the fp32 tuning left in this process
+            # for reuse (docs/backends.md, "One export per module state per process").
+            forget_exports()
             backends = sorted({*args.backends.split(","), "inductor"})  # the bf16 candidate is a compile
             with Stopwatch() as prepare_auto:
                 registrations["aitune auto"] = enable_aitune(reduced, backends=backends, precision="auto")

@@ -96,10 +96,10 @@ def _seed() -> None:
 @pytest.fixture(autouse=True)
 def _fresh_exports(request: pytest.FixtureRequest) -> None:
     """A test marked `fresh_exports` exports every ONNX Runtime build: the exports an earlier test of this worker left
-    for reuse (`backends/onnxruntime.py`, `forget_exports`) are dropped first. For tests whose subject is the export
+    for reuse (`aitune_hf.backends.forget_exports`) are dropped first. For tests whose subject is the export
     (under threads, in the build process); any other test may be served a reused export, as a user would be."""
     if request.node.get_closest_marker("fresh_exports") is not None:
-        from aitune_hf.backends.onnxruntime import forget_exports
+        from aitune_hf.backends import forget_exports
 
         forget_exports()
 

@@ -3,7 +3,7 @@
 from aitune_hf.backends.base import Backend, BuiltBackend, backend_names, get_backend, register_backend
 from aitune_hf.backends.eager import EagerBackend
 from aitune_hf.backends.inductor import InductorBackend
-from aitune_hf.backends.onnxruntime import OnnxRuntimeBackend
+from aitune_hf.backends.onnxruntime import OnnxRuntimeBackend, forget_exports
 
 __all__ = [
     "Backend",
@@ -12,6 +12,7 @@ __all__ = [
     "InductorBackend",
     "OnnxRuntimeBackend",
     "backend_names",
+    "forget_exports",
     "get_backend",
     "register_backend",
 ]
