@@ -69,14 +69,16 @@ def key_fields(
     candidates: Sequence[Backend],
     strategy: str,
     layout: str,
+    state: str | None = None,
 ) -> dict[str, Any]:
     """Every part of a decision's key (the table of the module docstring), as JSON-ready text. `layout`: the memory
-    layout of the recorded call's tensors (`signature.layout_of`)."""
+    layout of the recorded call's tensors (`signature.layout_of`); `state`: the module's `state_fingerprint` when the
+    caller has it already (None: computed here)."""
     signature = signatures[0]
     kind = type(module)
     return {
         "module": f"{kind.__module__}.{kind.__qualname__}",
-        "state": state_fingerprint(module),
+        "state": state if state is not None else state_fingerprint(module),
         "signature": repr(signature.family) if dynamic else repr(signature),
         "layout": layout,
         "shapes": config.shapes if dynamic else "exact",
@@ -139,12 +141,13 @@ def weights_digest(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def build_state(module: torch.nn.Module, signatures: Sequence[InputSignature], dynamic: bool) -> str:
-    """What builds of one process may share work by (`BuildContext.state`): the module's `state_fingerprint`, its
-    training flag, and the recorded calls' signatures (shapes, dtypes, devices, and the modes the calls ran under:
-    autocast, grad, default dtype...) or their family. Weight values are not in it: a build puts its own in."""
-    digest = hashlib.sha256(state_fingerprint(module).encode())
-    digest.update(f"training={module.training} dynamic={dynamic}".encode())
+def build_state(fingerprint: str, training: bool, signatures: Sequence[InputSignature], dynamic: bool) -> str:
+    """What builds of one process may share work by (`BuildContext.state`): the module's `state_fingerprint`
+    (`fingerprint`), its training flag, and the recorded calls' signatures (shapes, dtypes, devices, and the modes the
+    calls ran under: autocast, grad, default dtype...) or their family. Weight values are not in it: a build puts its
+    own in."""
+    digest = hashlib.sha256(fingerprint.encode())
+    digest.update(f"training={training} dynamic={dynamic}".encode())
     for text in sorted({repr(s.family) if dynamic else repr(s) for s in signatures}):
         digest.update(text.encode())
     return digest.hexdigest()

@@ -40,7 +40,7 @@ from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.decisions import Decision
 from aitune_hf.core.guards import ModuleGuard, training_reason
-from aitune_hf.core.keys import build_state, key_fields
+from aitune_hf.core.keys import build_state, key_fields, state_fingerprint
 from aitune_hf.core.precision import block_budget
 from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import CandidateResult, ModuleReport, SignatureReport
@@ -742,16 +742,18 @@ class Target:
         context = self._context
         key = _sibling_key(self.module, signatures) if context.config.share_identical else None
         shared = context.decisions.get(key) if key is not None else None
+        # Computed once, when first asked for: by the cache's key, and by builds that share work (`build_state`).
+        fingerprint = functools.cache(lambda: state_fingerprint(self.module))
         with (
             consult(context.cache, self.module, lambda: key_fields(
                 self.module, signatures, dynamic, context.config, context.candidates, repr(context.strategy),
-                layout_of(job.samples[0].args, job.samples[0].kwargs),
+                layout_of(job.samples[0].args, job.samples[0].kwargs), fingerprint(),
             )) as entry,
             build_context(
                 place=entry.place if entry is not None else None,
                 shared={},
                 private_only=context.background is not None,
-                state=functools.cache(lambda: build_state(self.module, signatures, dynamic)),
+                state=functools.cache(lambda: build_state(fingerprint(), self.module.training, signatures, dynamic)),
             ),
         ):  # fmt: skip
             decision = None
