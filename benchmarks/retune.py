@@ -8,8 +8,9 @@ no persistent cache, one torch thread:
    them), enabled and tuned again;
 4. cold again: the third case after `aitune_hf.backends.forget_exports()`, as a process that kept nothing would.
 
-Each row: the tuning call's seconds (wall), how many candidates were built from a kept export, and the largest
-difference between the tuned images and that pipeline's own eager images (the same call, fixed seed).
+Each row, from one `aitune_hf.session.run_session` (the session `aitune-hf tune` runs): the tuning call's seconds
+(wall), how many candidates were built from a kept export, and the largest difference between the tuned images and
+that pipeline's own eager images (the same call, fixed seed).
 
     python benchmarks/retune.py                       # tiny, results in benchmarks/results/retune.md
     python benchmarks/retune.py --size small --out /tmp/retune.md
@@ -23,12 +24,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from machine import cpu_model
 
-from aitune_hf import AITunePipeline, Stopwatch
+from aitune_hf import AITunePipeline
 from aitune_hf.backends import forget_exports
+from aitune_hf.session import run_session
 from aitune_hf.testing import build_pipeline, default_call_kwargs
 
 RESULTS = Path(__file__).resolve().parent / "results" / "retune.md"
@@ -42,24 +43,23 @@ def _scale(*modules: torch.nn.Module) -> None:
 
 
 def _tune(pipe: AITunePipeline, call: dict[str, Any]) -> dict[str, Any]:
-    """Eager images, then enable, record, tune (timed) and serve; the figures of one row."""
-
-    def run() -> np.ndarray:
-        return pipe(**call, generator=torch.Generator().manual_seed(0)).images
-
-    expected = run()
-    registration = pipe.enable_aitune("blocks", backends=["onnxruntime"], cache="off", progress=False)
-    run()  # records
-    with Stopwatch() as tuning:
-        run()  # tunes inside the call
-    images = run()
-    modules = registration.report().to_dict()["modules"].values()
+    """One tuning session (`aitune_hf.session.run_session`: eager, enable, record, tune, serve, check); the figures
+    of one row."""
+    session = run_session(
+        pipe,
+        lambda: pipe(**call, generator=torch.Generator().manual_seed(0)).images,
+        "blocks",
+        backends=["onnxruntime"],
+        cache="off",
+        progress=False,
+    )
+    modules = session.report.to_dict()["modules"].values()
     candidates = [c for m in modules for s in m["signatures"] for c in s["candidates"] if c["backend"] == "onnxruntime"]
     figures = {
-        "tuning_call_s": round(tuning.seconds, 1),
+        "tuning_call_s": round(session.tuning_call_seconds, 1),
         "reused": sum(bool(c.get("reused")) for c in candidates),
         "built": len(candidates),
-        "max_abs_diff": float(np.abs(images - expected).max()),
+        "max_abs_diff": session.max_abs_diff,
     }
     pipe.disable_aitune()
     return figures
