@@ -3,7 +3,7 @@
 from aitune_hf.backends.base import Backend, BuiltBackend, backend_names, get_backend, register_backend
 from aitune_hf.backends.eager import EagerBackend
 from aitune_hf.backends.inductor import InductorBackend
-from aitune_hf.backends.onnxruntime import OnnxRuntimeBackend, forget_exports
+from aitune_hf.backends.onnxruntime import OnnxRuntimeBackend, arena_cap, forget_exports
 
 __all__ = [
     "Backend",
@@ -11,6 +11,7 @@ __all__ = [
     "EagerBackend",
     "InductorBackend",
     "OnnxRuntimeBackend",
+    "arena_cap",
     "backend_names",
     "forget_exports",
     "get_backend",

@@ -15,8 +15,10 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import math
 import os
 import pickle
+import re
 import shutil
 import tempfile
 import threading
@@ -380,6 +382,7 @@ class OnnxRuntimeBackend(Backend):
             out_dtypes=[out_leaves[i].dtype for i in out_tensor_positions],
             built_in=worker.pid if worker is not None else None,
             kernels=fused_ops,
+            arena_cap=_arena_cap if device.type == "cpu" and self.arena == "shared" else 0,
         )
         if cleanup is not None:  # a temporary folder lives as long as the session that reads it
             weakref.finalize(runner, shutil.rmtree, cleanup, ignore_errors=True)
@@ -644,21 +647,82 @@ def _check_interface(session: Any, inputs: list[str], outputs: list[str]) -> Non
 
 _arena_lock = threading.Lock()
 _arena_registered = False
+_arena_cap: int = 0  # bytes; 0: no cap (set once, when the shared arena is registered)
+
+#: The shared arena's cap, read when the arena is made: GiB (a positive number) or "off". Unset: `ARENA_SHARE` of the
+#: memory available then.
+ARENA_CAP_ENV = "AITUNE_HF_ORT_ARENA_GIB"
+#: The default cap, as a share of the memory available (Linux `MemAvailable`) when the shared arena is made.
+ARENA_SHARE = 0.5
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the machine can give without swapping (`MemAvailable`), or None where that is not known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def arena_cap() -> int:
+    """The cap in bytes on the shared CPU arena (`arena="shared"`), 0 for none: `$AITUNE_HF_ORT_ARENA_GIB`, else half
+    the memory available when the arena is made. A call whose working memory exceeds it fails in ONNX Runtime (a
+    candidate that fails its check; a served call that falls back to eager) where it would otherwise have taken the
+    machine's memory: a plain attention graph holds its whole score matrix, which at long token counts is many GiB
+    where eager's SDPA kernel works in tiles (docs/backends.md). Fixed for the process once the arena exists."""
+    if _arena_registered:
+        return _arena_cap
+    return _cap_of(os.environ.get(ARENA_CAP_ENV, ""), _available_memory())
+
+
+def _cap_of(value: str, available: int | None) -> int:
+    """The arena cap in bytes that `$AITUNE_HF_ORT_ARENA_GIB` = `value` asks for ("" for unset), with `available`
+    bytes of memory available (None: unknown, no default cap)."""
+    value = value.strip()
+    if value.lower() == "off":
+        return 0
+    if value:
+        try:
+            gib = float(value)
+        except ValueError:
+            gib = math.nan
+        if not math.isfinite(gib) or gib <= 0:
+            raise ConfigError(f"{ARENA_CAP_ENV}={value!r} is not valid; valid values: a positive number of GiB, 'off'")
+        return int(gib * 2**30)
+    return int(available * ARENA_SHARE) if available else 0
+
+
+def _over_cap(message: str, cap: int) -> str:
+    """What a call that ran out of the capped shared arena tells the report, from ONNX Runtime's `message`."""
+    op = re.search(r"running (\S+) node", message)
+    sizes = re.search(r"Available memory of (\d+) is smaller than requested bytes of (\d+)", message)
+    asked = f"{op.group(1) if op else 'an operator'} asked for {int(sizes.group(2)) / 2**20:.1f} MiB with " \
+        f"{int(sizes.group(1)) / 2**20:.1f} MiB left" if sizes else "an allocation failed"  # fmt: skip
+    return (
+        f"this call needs more working memory than the shared ONNX Runtime arena's cap of {cap / 2**30:.2f} GiB "
+        f"({asked}; raise it with {ARENA_CAP_ENV}, docs/backends.md)"
+    )
 
 
 def _register_shared_arena(onnxruntime: Any) -> None:
     """Registers one CPU arena allocator with ONNX Runtime's environment, once per process (sessions opt in to it
-    with `session.use_env_allocators`)."""
-    global _arena_registered
+    with `session.use_env_allocators`), capped at `arena_cap()`."""
+    global _arena_registered, _arena_cap
     with _arena_lock:
         if _arena_registered:
             return
+        cap = arena_cap()
         info = onnxruntime.OrtMemoryInfo(
             "Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, onnxruntime.OrtMemType.DEFAULT
         )
-        # No cap; extend by what a call requests (not the next power of two); default chunk and dead-byte sizes.
-        onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(0, 1, -1, -1))
-        _arena_registered = True
+        # Capped (0: none); extend by what a call requests (not the next power of two); default chunk and dead-byte
+        # sizes.
+        onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(cap, 1, -1, -1))
+        _arena_cap, _arena_registered = cap, True
 
 
 def _dynamic_attempts(samples: Sequence[Call]) -> list[list[frozenset[int]] | None]:
@@ -1082,7 +1146,10 @@ class _SessionRunner:
         out_dtypes: list[torch.dtype],
         built_in: int | None = None,
         kernels: dict[str, int] | None = None,
+        arena_cap: int = 0,
     ) -> None:
+        #: The cap in bytes on the arena this session allocates from (the shared arena's `arena_cap()`), 0 for none.
+        self.arena_cap = arena_cap
         #: The fused ONNX Runtime operators (`com.microsoft` domain) in the model this session serves, by op type,
         #: for a `kernels="fused"` build (None otherwise, and for a model read from the cache).
         self.kernels = kernels
@@ -1136,7 +1203,12 @@ class _SessionRunner:
             outputs = self._run_cuda(inputs)
         else:
             feeds = {name: _cpu_array(tensor) for name, tensor in inputs.items()}
-            outputs = [torch.from_numpy(a) for a in self.session.run(self.output_names, feeds)]
+            try:
+                outputs = [torch.from_numpy(a) for a in self.session.run(self.output_names, feeds)]
+            except Exception as error:
+                if self.arena_cap and "BFCArena" in str(error):  # the shared arena's cap: `arena_cap()`
+                    raise MemoryError(_over_cap(str(error), self.arena_cap)) from None
+                raise
         out_leaves = list(self.out_template)
         for position, tensor in zip(self.out_tensor_positions, outputs, strict=True):
             out_leaves[position] = tensor
