@@ -5,9 +5,12 @@ BiasGelu), and eager, on the same block and call.
     python benchmarks/fused_kernels.py                  # every workload, 1 thread, 31 interleaved rounds
     python benchmarks/fused_kernels.py --workloads minilm_b1_s32 --rounds 51
 
-Workloads: one real MiniLM layer (`aitune_hf.testing.minilm_path()`) at batch 1 x 32 tokens and batch 32 x 64, and
-the first cross-attention block (`Transformer2DModel`) of the SD small UNet (`build_pipeline("sd", ..., "small")`)
-at the shapes a 128x128 call with guidance gives it (2 x 96 x 16 x 16 latents, 2 x 77 x 64 text states).
+Workloads: one real MiniLM layer (`aitune_hf.testing.minilm_path()`) at batch 1 x 32 tokens, batch 32 x 64 and
+batch 1 x 512, and the first cross-attention block (`Transformer2DModel`) of the SD small UNet
+(`build_pipeline("sd", ..., "small")`) at the shapes a call with guidance gives it: 2 x 96 x 16 x 16 latents
+(`sd_small_attention`, 256 tokens), 32 x 32 (`_32`, 1024 tokens) and 64 x 64 (`_64`, 4096 tokens), with
+2 x 77 x 64 text states. ONNX Runtime's CPU `MultiHeadAttention` runs a tiled (flash) kernel when the attention has
+no mask (SD's); set `ORT_DISABLE_FLASH_ATTENTION=1` to time it without.
 
 torch and ONNX Runtime at 1 thread (`torch.set_num_threads(1)`, `intra_op_num_threads=1`, no spinning), one
 exact-shape session each, eager and both sessions timed in interleaved rounds (`time_interleaved`), medians.
@@ -36,7 +39,14 @@ from aitune_hf import register, time_interleaved
 from aitune_hf.backends import OnnxRuntimeBackend, forget_exports
 from aitune_hf.testing import build_pipeline, minilm_path
 
-WORKLOADS = ("minilm_b1_s32", "minilm_b32_s64", "sd_small_attention")
+WORKLOADS = (
+    "minilm_b1_s32",
+    "minilm_b32_s64",
+    "minilm_b1_s512",
+    "sd_small_attention",
+    "sd_small_attention_32",
+    "sd_small_attention_64",
+)
 
 
 class MiniLMLayer(torch.nn.Module):
@@ -67,7 +77,7 @@ def workload(name: str, folder: Path) -> tuple[torch.nn.Module, tuple[torch.Tens
         from transformers import AutoModel
 
         model = AutoModel.from_pretrained(minilm_path(), attn_implementation="sdpa").eval()
-        batch, length = {"minilm_b1_s32": (1, 32), "minilm_b32_s64": (32, 64)}[name]
+        batch, length = {"minilm_b1_s32": (1, 32), "minilm_b32_s64": (32, 64), "minilm_b1_s512": (1, 512)}[name]
         return MiniLMLayer(model.encoder.layer[0]).eval(), (
             torch.randn(batch, length, model.config.hidden_size),
             torch.zeros(batch, 1, 1, length),
@@ -77,8 +87,9 @@ def workload(name: str, folder: Path) -> tuple[torch.nn.Module, tuple[torch.Tens
     pipe = StableDiffusionPipeline.from_pretrained(build_pipeline("sd", folder / "sd-small", "small"))
     unet = pipe.unet
     channels = unet.config.block_out_channels[0]
+    side = {"sd_small_attention": 16, "sd_small_attention_32": 32, "sd_small_attention_64": 64}[name]
     return CrossAttention(unet.down_blocks[0].attentions[0]).eval(), (
-        torch.randn(2, channels, 16, 16),
+        torch.randn(2, channels, side, side),
         torch.randn(2, 77, unet.config.cross_attention_dim),
     )
 
@@ -102,8 +113,9 @@ def measure(name: str, folder: Path, rounds: int) -> dict[str, Any]:
 
 def tuning_builds(module: torch.nn.Module, call: tuple[torch.Tensor, ...]) -> dict[str, float | None]:
     """Build seconds per candidate of one tuning with `precision="auto"` (ONNX Runtime only, exact shapes)."""
+    # cache "off": cold builds, and nothing written to the user's cache folder (where a rerun found its last decision)
     config = {"backends": ["onnxruntime"], "precision": "auto", "shapes": "exact", "min_speedup": 0, "progress": False,
-              "warmup": 1, "repeats": 3}  # fmt: skip
+              "warmup": 1, "repeats": 3, "cache": "off"}  # fmt: skip
     forget_exports()  # cold builds: no export left for reuse by the builds timed above (docs/backends.md)
     registration = register({"block": module}, config)
     try:
