@@ -68,7 +68,8 @@ class OnnxRuntimeBackend(Backend):
     `arena`: where a CPU session keeps its working memory (activations). "shared" (default): one CPU arena for
     every aitune_hf session in the process, registered once with ONNX Runtime's environment (sessions that do
     not opt in, the user's own, are untouched); blocks run one after another, so it grows to the largest block's
-    working set, not to the sum over blocks, and it stays for the process (also after `disable_aitune()`).
+    working set, not to the sum over blocks, and it stays for the process (also after `disable_aitune()`), capped at
+    `arena_cap()` (a call that needs more raises MemoryError: a candidate that fails, a served call that falls back).
     "session": ONNX Runtime's default, an arena per session that keeps its largest call's memory while the
     session lives (MiniLM at batch 32 x 121 tokens: +450 MB for 6 layers, against +85 MB shared). "off": no
     arena, memory returned after every call; measured 15-25% slower at batch 32 (docs/backends.md).
@@ -700,8 +701,10 @@ def _over_cap(message: str, cap: int) -> str:
     """What a call that ran out of the capped shared arena tells the report, from ONNX Runtime's `message`."""
     op = re.search(r"running (\S+) node", message)
     sizes = re.search(r"Available memory of (\d+) is smaller than requested bytes of (\d+)", message)
-    asked = f"{op.group(1) if op else 'an operator'} asked for {int(sizes.group(2)) / 2**20:.1f} MiB with " \
-        f"{int(sizes.group(1)) / 2**20:.1f} MiB left" if sizes else "an allocation failed"  # fmt: skip
+    asked = "an allocation failed"
+    if sizes:
+        left, wanted = (int(n) / 2**20 for n in sizes.groups())
+        asked = f"{op.group(1) if op else 'an operator'} asked for {wanted:.1f} MiB with {left:.1f} MiB left"
     return (
         f"this call needs more working memory than the shared ONNX Runtime arena's cap of {cap / 2**30:.2f} GiB "
         f"({asked}; raise it with {ARENA_CAP_ENV}, docs/backends.md)"

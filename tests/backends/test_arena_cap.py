@@ -97,3 +97,13 @@ def test_the_cap_is_read_from_the_environment_or_half_the_available_memory() -> 
     for bad in ("-1", "0", "nan", "lots"):
         with pytest.raises(ConfigError, match=rf"AITUNE_HF_ORT_ARENA_GIB={bad!r} is not valid; valid values"):
             ort_backend._cap_of(bad, None)
+
+
+def test_the_reason_names_the_operator_and_the_bytes_asked_where_onnx_runtime_says_them() -> None:
+    message = (
+        "Non-zero status code returned while running Softmax node. Name:'node_softmax' Status Message: "
+        "bfc_arena.cc:360 BFCArena::AllocateRawInternal Available memory of 1048576 is smaller than requested bytes "
+        "of 4194304"
+    )
+    assert "(Softmax asked for 4.0 MiB with 1.0 MiB left;" in ort_backend._over_cap(message, 2**30)
+    assert "cap of 1.00 GiB (an allocation failed;" in ort_backend._over_cap("BFCArena: out of memory", 2**30)
