@@ -18,6 +18,8 @@ CONTAINED = {
     "candidate's error and keeps another backend or eager",
     ("backends/onnxruntime.py", "RuntimeError"): "a build or a served call that failed: reported as the candidate's "
     "error, or the call falls back to eager",
+    ("backends/onnxruntime.py", "MemoryError"): "a call over the shared arena's cap (`arena_cap()`): reported as "
+    "the candidate's error, or the served call falls back to eager",
     ("backends/inductor.py", "RuntimeError"): "a compile that failed: reported as the candidate's error",
     ("core/signature.py", "RuntimeError"): "a recorded call that cannot be replayed: tuning keeps eager with it",
     ("core/target.py", "RuntimeError"): "a dropped backend while serving: the call falls back to eager",
