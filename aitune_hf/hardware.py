@@ -5,7 +5,8 @@ bf16 linear on an AVX2-only host: 7x slower; int8 without VNNI: no faster than f
 
 The one place that reads CPU flags, below the core and the backends: the cache key (`core/keys.py`), the precision
 candidates (`core/precision.py`), the int8 format of ONNX Runtime (`backends/onnxruntime.py`) and the benchmarks
-(`aitune_hf.session.describe_machine`) use it.
+(`aitune_hf.session.describe_machine`) use it. Also the memory the machine has available now (`available_memory`),
+which caps ONNX Runtime's shared arena.
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
             elif line.startswith("flags") and not flags:
                 flags = frozenset(line.partition(":")[2].split())
     return model or platform.processor() or platform.machine(), flags
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the machine can give now without swapping (Linux `MemAvailable`), or None where that is not
+    known. Read on every call: it changes."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
 
 
 def cpu_model() -> str:

@@ -383,7 +383,7 @@ class OnnxRuntimeBackend(Backend):
             out_dtypes=[out_leaves[i].dtype for i in out_tensor_positions],
             built_in=worker.pid if worker is not None else None,
             kernels=fused_ops,
-            arena_cap=_arena_cap if device.type == "cpu" and self.arena == "shared" else 0,
+            arena_cap=(_arena_cap or 0) if device.type == "cpu" and self.arena == "shared" else 0,
         )
         if cleanup is not None:  # a temporary folder lives as long as the session that reads it
             weakref.finalize(runner, shutil.rmtree, cleanup, ignore_errors=True)
@@ -647,26 +647,13 @@ def _check_interface(session: Any, inputs: list[str], outputs: list[str]) -> Non
 
 
 _arena_lock = threading.Lock()
-_arena_registered = False
-_arena_cap: int = 0  # bytes; 0: no cap (set once, when the shared arena is registered)
+_arena_cap: int | None = None  # bytes, 0 for no cap; None until the shared arena is registered (once per process)
 
 #: The shared arena's cap, read when the arena is made: GiB (a positive number) or "off". Unset: `ARENA_SHARE` of the
 #: memory available then.
 ARENA_CAP_ENV = "AITUNE_HF_ORT_ARENA_GIB"
-#: The default cap, as a share of the memory available (Linux `MemAvailable`) when the shared arena is made.
+#: The default cap, as a share of the memory available (`hardware.available_memory`) when the shared arena is made.
 ARENA_SHARE = 0.5
-
-
-def _available_memory() -> int | None:
-    """Bytes of memory the machine can give without swapping (`MemAvailable`), or None where that is not known."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def arena_cap() -> int:
@@ -675,9 +662,11 @@ def arena_cap() -> int:
     candidate that fails its check; a served call that falls back to eager) where it would otherwise have taken the
     machine's memory: a plain attention graph holds its whole score matrix, which at long token counts is many GiB
     where eager's SDPA kernel works in tiles (docs/backends.md). Fixed for the process once the arena exists."""
-    if _arena_registered:
+    if _arena_cap is not None:
         return _arena_cap
-    return _cap_of(os.environ.get(ARENA_CAP_ENV, ""), _available_memory())
+    from aitune_hf.hardware import available_memory
+
+    return _cap_of(os.environ.get(ARENA_CAP_ENV, ""), available_memory())
 
 
 def _cap_of(value: str, available: int | None) -> int:
@@ -714,9 +703,9 @@ def _over_cap(message: str, cap: int) -> str:
 def _register_shared_arena(onnxruntime: Any) -> None:
     """Registers one CPU arena allocator with ONNX Runtime's environment, once per process (sessions opt in to it
     with `session.use_env_allocators`), capped at `arena_cap()`."""
-    global _arena_registered, _arena_cap
+    global _arena_cap
     with _arena_lock:
-        if _arena_registered:
+        if _arena_cap is not None:
             return
         cap = arena_cap()
         info = onnxruntime.OrtMemoryInfo(
@@ -725,7 +714,7 @@ def _register_shared_arena(onnxruntime: Any) -> None:
         # Capped (0: none); extend by what a call requests (not the next power of two); default chunk and dead-byte
         # sizes.
         onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(cap, 1, -1, -1))
-        _arena_cap, _arena_registered = cap, True
+        _arena_cap = cap
 
 
 def _dynamic_attempts(samples: Sequence[Call]) -> list[list[frozenset[int]] | None]:

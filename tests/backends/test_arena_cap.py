@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
+from aitune_hf import hardware
 from aitune_hf.backends import onnxruntime as ort_backend
 from aitune_hf.errors import ConfigError
 
@@ -97,6 +98,9 @@ def test_the_cap_is_read_from_the_environment_or_half_the_available_memory() -> 
     for bad in ("-1", "0", "nan", "lots"):
         with pytest.raises(ConfigError, match=rf"AITUNE_HF_ORT_ARENA_GIB={bad!r} is not valid; valid values"):
             ort_backend._cap_of(bad, None)
+    if sys.platform == "linux":  # the default's base: MemAvailable, in bytes
+        available = hardware.available_memory()
+        assert available is not None and 2**20 < available < 2**50
 
 
 def test_the_reason_names_the_operator_and_the_bytes_asked_where_onnx_runtime_says_them() -> None:
