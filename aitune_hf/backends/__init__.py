@@ -3,7 +3,8 @@
 from aitune_hf.backends.base import Backend, BuiltBackend, backend_names, get_backend, register_backend
 from aitune_hf.backends.eager import EagerBackend
 from aitune_hf.backends.inductor import InductorBackend
-from aitune_hf.backends.onnxruntime import OnnxRuntimeBackend, arena_cap, forget_exports
+from aitune_hf.backends.onnx import forget_exports
+from aitune_hf.backends.onnxruntime import OnnxRuntimeBackend, arena_cap
 
 __all__ = [
     "Backend",

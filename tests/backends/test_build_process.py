@@ -69,7 +69,7 @@ def test_a_block_that_cannot_be_pickled_is_built_here(caplog: pytest.LogCaptureF
     torch.manual_seed(0)
     module, x = MLP().eval(), torch.randn(4, 8)
     module.note = lambda: "a lambda: copied by reference, never pickled"  # type: ignore[assignment]
-    with caplog.at_level(logging.DEBUG, logger="aitune_hf.backends.onnxruntime"):
+    with caplog.at_level(logging.DEBUG, logger="aitune_hf.backends.onnx.worker"):
         built = _private_build(module, x)
     assert built.fn.built_in is None and built.fn.source == "export"
     assert "cannot go to the build process" in caplog.text
@@ -80,7 +80,7 @@ def test_a_block_that_cannot_be_pickled_is_built_here(caplog: pytest.LogCaptureF
 def test_a_block_the_worker_fails_on_is_built_here_and_the_worker_serves_on(caplog: pytest.LogCaptureFixture) -> None:
     torch.manual_seed(0)
     module, x = FailsElsewhere().eval(), torch.randn(4, 8)
-    with caplog.at_level(logging.DEBUG, logger="aitune_hf.backends.onnxruntime"):
+    with caplog.at_level(logging.DEBUG, logger="aitune_hf.backends.onnx.worker"):
         built = _private_build(module, x)
     assert built.fn.built_in is None
     assert "did not build this block" in caplog.text and "cannot be rebuilt outside" in caplog.text

@@ -325,7 +325,7 @@ def test_a_module_in_the_state_of_one_exported_before_reuses_that_export_with_it
 
 
 def test_a_sibling_whose_graph_folds_a_constant_from_its_weights_gets_its_own_values() -> None:
-    """The export is kept before onnxscript's optimizer folds `weight * 2` into a constant (`_Skeleton`): a sibling's
+    """The export is kept before onnxscript's optimizer folds `weight * 2` into a constant (`Skeleton`): a sibling's
     build puts its own weights in, then optimizes."""
     backend, x = OnnxRuntimeBackend(), torch.randn(3, 8)
     siblings = [Folded().eval() for _ in range(2)]
@@ -337,39 +337,39 @@ def test_a_sibling_whose_graph_folds_a_constant_from_its_weights_gets_its_own_va
 
 
 def _export(module: nn.Module, x: torch.Tensor, raw: list[Any] | None = None) -> Any:
-    """`_export_flat` of `module(x)` with baked weights, as a build exports it (on a private copy)."""
-    from aitune_hf.backends import onnxruntime as ort_backend
+    """`export_flat` of `module(x)` with baked weights, as a build exports it (on a private copy)."""
+    from aitune_hf.backends.onnx import export as onnx_export
 
     twin = copy.deepcopy(module)
     leaves, spec = pytree.tree_flatten(((x,), {}))
     names = ([], ["input_0"], ["output_0"])
     with torch.no_grad():
-        return ort_backend._export_flat(twin, twin.forward, {}, leaves, spec, [0], False, None, names, None, raw)
+        return onnx_export.export_flat(twin, twin.forward, {}, leaves, spec, [0], False, None, names, None, raw)
 
 
 @pytest.mark.parametrize("kind", [MLP, Folded])
 def test_a_skeleton_filled_with_a_modules_weights_is_byte_for_byte_that_modules_export(kind: type[nn.Module]) -> None:
-    from aitune_hf.backends import onnxruntime as ort_backend
+    from aitune_hf.backends.onnx.reuse import Skeleton
 
     x, first, second = torch.randn(3, 8), kind().eval(), kind().eval()
     raw: list[Any] = []
     _export(first, x, raw)
-    filled = ort_backend._Skeleton.of(raw[0], first, (["input_0"], ["output_0"])).fill(second)
+    filled = Skeleton.of(raw[0], first, (["input_0"], ["output_0"])).fill(second)
     assert filled.SerializeToString() == _export(second, x).model_proto.SerializeToString()
 
 
 def test_the_exporter_table_is_built_once_and_exports_what_torch_onnx_export_does() -> None:
-    """`_export_flat` hands the exporter one ATen -> ONNX table per process (torch.onnx.export builds it on every call,
+    """`export_flat` hands the exporter one ATen -> ONNX table per process (torch.onnx.export builds it on every call,
     about 2 s); on the pinned torch the private pieces it needs are where it expects them (otherwise it falls back to
     torch.onnx.export, slower), and the model it exports is byte for byte the public call's."""
     from torch.onnx._internal.exporter import _core
 
-    from aitune_hf.backends import onnxruntime as ort_backend
+    from aitune_hf.backends.onnx import export as onnx_export
 
-    registry = ort_backend._torchlib_registry(None)
-    assert registry is not None, "torch's exporter moved: _export_flat falls back to torch.onnx.export"
-    assert ort_backend._torchlib_registry(None) is registry
-    assert ort_backend._torchlib_registry(ort_backend._default_opset()) is registry
+    registry = onnx_export.torchlib_registry(None)
+    assert registry is not None, "torch's exporter moved: export_flat falls back to torch.onnx.export"
+    assert onnx_export.torchlib_registry(None) is registry
+    assert onnx_export.torchlib_registry(onnx_export.default_opset()) is registry
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -384,5 +384,5 @@ def test_the_exporter_table_is_built_once_and_exports_what_torch_onnx_export_doe
     dims = ({0: torch.export.Dim.AUTO},)
     public = torch.onnx.export(block, (x,), dynamic_shapes=dims, dynamo=True, optimize=True, verbose=False)
     cached = _core.export(block, (x,), None, registry=registry, dynamic_shapes=dims, optimize=True, verbose=False,
-                          opset_version=ort_backend._default_opset())  # fmt: skip
+                          opset_version=onnx_export.default_opset())  # fmt: skip
     assert cached.model_proto.SerializeToString() == public.model_proto.SerializeToString()

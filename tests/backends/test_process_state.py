@@ -19,8 +19,8 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 from aitune_hf.backends import InductorBackend, OnnxRuntimeBackend
-from aitune_hf.backends import onnxruntime as ort_backend
 from aitune_hf.backends.base import Backend
+from aitune_hf.backends.onnx import export as onnx_export
 from tests.backends.test_onnxruntime import MLP
 from tests.conftest import process_state, state_changes
 
@@ -124,7 +124,7 @@ def test_a_failing_build_leaves_the_process_unchanged(
     assert sys.stdout is before["sys.stdout"]
     assert state_changes(before, process_state()) == []
     assert not torch.compiler.is_compiling()
-    assert getattr(ort_backend._state, "depth", 0) == 0
+    assert getattr(onnx_export._state, "depth", 0) == 0
     # The exporter loggers are not left quiet for this thread.
     logging.getLogger("onnxscript").warning("after the failed build")
     assert "after the failed build" in caplog.messages
@@ -153,11 +153,11 @@ def test_an_export_prints_no_torch_deprecation_of_its_own() -> None:
 
 
 def test_exporter_records_are_dropped_for_the_exporting_thread_only(caplog: pytest.LogCaptureFixture) -> None:
-    ort_backend._install_log_filter()
+    onnx_export._install_log_filter()
     logger = logging.getLogger("onnxscript")
-    assert ort_backend._QUIET in logger.filters
-    ort_backend._install_log_filter()  # idempotent
-    assert logger.filters.count(ort_backend._QUIET) == 1
+    assert onnx_export._QUIET in logger.filters
+    onnx_export._install_log_filter()  # idempotent
+    assert logger.filters.count(onnx_export._QUIET) == 1
     inside, outside = threading.Event(), threading.Event()
 
     def other() -> None:
@@ -167,7 +167,7 @@ def test_exporter_records_are_dropped_for_the_exporting_thread_only(caplog: pyte
 
     thread = threading.Thread(target=other)
     thread.start()
-    with ort_backend._exporting():
+    with onnx_export.exporting():
         logger.warning("from the exporting thread")
         logger.error("an error from the exporting thread")
         inside.set()

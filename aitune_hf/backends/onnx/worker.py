@@ -1,0 +1,158 @@
+"""The heavy steps of a background build in the build process (`backends/base.py`: `run_in_build_process`): the export,
+and a runtime's own steps on the model (`finish`: ONNX Runtime's fusions, int8 quantization and graph optimisation).
+
+What stays in the serving process: the private copy (a deep copy, as without the build process) and its pickling,
+reading the exported model back (for another precision's build, and the export before onnxscript's optimizer for
+identical modules' builds: `reuse.Skeleton`), an identical module's weights put into such an export, and loading the
+runtime's model (weights pre-packed, no graph work). The build process touches no GPU: a CUDA build stays here. When the
+block cannot be pickled, or the build process fails or ends, `WorkerBuild.export` and `WorkerBuild.run` return None
+(said at DEBUG) and the build runs here as in the foreground."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aitune_hf.backends.base import run_in_build_process
+from aitune_hf.backends.onnx.export import export_flat, exporting, private_twin
+
+if TYPE_CHECKING:
+    from aitune_hf.backends.onnx.model import CallLayout
+
+logger = logging.getLogger(__name__)
+
+#: A runtime's steps in the build process: a module-level function (it goes by pickle) called as
+#: `fn(folder, model_file, *args)`, returning plain data for `WorkerBuild.made`.
+Finish = tuple[Callable[..., dict[str, Any]], tuple[Any, ...]]
+
+
+class WorkerBuild:
+    """What the build process made for one build: the exported model (when it exported), the export before
+    onnxscript's optimizer (when asked), and what the runtime's `finish` returned (`made`). Files in a folder of this
+    process's, deleted by `remove` once the runtime has loaded what it needs."""
+
+    def __init__(self, folder: Path, made: dict[str, Any]) -> None:
+        self.folder = folder
+        self.pid: int = made["pid"]
+        self.exported: str | None = made["export"]
+        self.raw: str | None = made.get("raw")
+        #: Everything the build process returned, the runtime's `finish` results included.
+        self.made = made
+
+    @classmethod
+    def export(
+        cls,
+        module: torch.nn.Module,
+        forward: Callable[..., Any],
+        layout: CallLayout,
+        attempts: list[list[frozenset[int]] | None],
+        opset_version: int | None,
+        finish: Finish | None,
+        raw: bool = False,
+    ) -> WorkerBuild | None:
+        """Export (the first of `attempts` that traces), then `finish`: all in the build process; `raw`: keep the export
+        before onnxscript's optimizer too (`raw_proto`, for `reuse.Skeleton`)."""
+        try:
+            twin, twin_forward = private_twin(module, forward)
+            # The forward's function, not the bound method: a bound method pickles by attribute name, which on the
+            # copy may find another forward (the tuning core's router is an instance attribute).
+            payload = pickle.dumps(
+                (twin, twin_forward.__func__, layout.weights, layout.in_leaves), protocol=pickle.HIGHEST_PROTOCOL
+            )
+        except Exception:
+            logger.debug("aitune_hf: the block cannot go to the build process; exporting here", exc_info=True)
+            return None
+        job = {
+            "payload": payload,
+            "spec": layout.in_spec,
+            "tensor_positions": layout.tensor_positions,
+            "training": module.training,
+            "attempts": attempts,
+            "names": layout.names,
+            "opset_version": opset_version,
+            "raw": raw,
+        }
+        return cls._call(job, None, finish)
+
+    @classmethod
+    def run(cls, source: Any, finish: Finish) -> WorkerBuild | None:
+        """`finish` on `source`, a model file (Path) or a model in memory (ModelProto), in the build process."""
+        return cls._call(None, source, finish)
+
+    @classmethod
+    def _call(cls, job: dict[str, Any] | None, source: Any, finish: Finish | None) -> WorkerBuild | None:
+        folder = Path(tempfile.mkdtemp(prefix="aitune_hf_onnx_build_"))
+        try:
+            if source is not None and not isinstance(source, Path):
+                import onnx
+
+                onnx.save_model(source, str(folder / "source.onnx"))
+                source = folder / "source.onnx"
+            where = None if source is None else str(source)
+            made = run_in_build_process(build_in_worker, str(folder), job, where, finish)
+        except Exception:
+            shutil.rmtree(folder, ignore_errors=True)
+            logger.debug("aitune_hf: the build process did not build this block; building it here", exc_info=True)
+            return None
+        return cls(folder, made)
+
+    def exported_proto(self) -> Any:
+        import onnx
+
+        return onnx.load_model(self.exported)
+
+    def raw_proto(self) -> Any:
+        """The export before onnxscript's optimizer, when `export` was asked for it (else None)."""
+        import onnx
+
+        return onnx.load_model(self.raw) if self.raw is not None else None
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def build_in_worker(
+    folder: str, job: dict[str, Any] | None, source: str | None, finish: Finish | None
+) -> dict[str, Any]:
+    """In the build process (`WorkerBuild`): export `job` (or start from the model file `source`), then the runtime's
+    `finish` on the model; returns the files' paths (in `folder`), what `finish` returned and this process's id."""
+    import onnx
+
+    directory = Path(folder)
+    made: dict[str, Any] = {"pid": os.getpid(), "export": None}
+    if job is not None:
+        attempts = job["attempts"]
+        with exporting(), torch.inference_mode(False), torch.no_grad():
+            for attempt, dims in enumerate(attempts):
+                # A fresh copy and fresh example tensors per attempt: a failed trace leaves symbolic state on them.
+                twin, function, weights, in_leaves = pickle.loads(job["payload"])
+                try:
+                    raw: list[Any] | None = [] if job.get("raw") else None
+                    program = export_flat(
+                        twin, types.MethodType(function, twin), weights, in_leaves, job["spec"],
+                        job["tensor_positions"], job["training"], dims, job["names"], job["opset_version"], raw,
+                    )  # fmt: skip
+                    break
+                except Exception:
+                    if attempt == len(attempts) - 1:
+                        raise
+        source = str(directory / "export.onnx")
+        onnx.save_model(program.model_proto, source)
+        made["export"] = source
+        if raw:
+            onnx.save_model(raw[-1], str(directory / "raw.onnx"))
+            made["raw"] = str(directory / "raw.onnx")
+    assert source is not None
+    if finish is not None:
+        fn, args = finish
+        made.update(fn(directory, Path(source), *args))
+    return made
