@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from aitune_hf.backends.base import default_backend_names
 from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.report import TuningReport
 from aitune_hf.core.timing import Stopwatch
@@ -43,7 +44,7 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 DEMO_FAMILIES = ("sd", "flux", "pixart", "minilm")
 SIZES = ("tiny", "small")
-DEFAULT_BACKENDS = "inductor,onnxruntime"
+DEFAULT_BACKENDS = ",".join(default_backend_names())
 DEFAULT_PROMPT = "a photo of an astronaut riding a horse"
 _KINDS = {"diffusers": "pipeline", "transformers": "model"}
 #: Sentences for Transformers models: `tiny` uses the first two, `small` all of them.

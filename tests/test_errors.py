@@ -14,8 +14,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aitune_hf"
 
 #: (file, exception class) -> why a builtin exception raised there never reaches a caller of aitune_hf.
 CONTAINED = {
-    ("backends/onnxruntime.py", "TypeError"): "an export that cannot be made: the strategy reports it as the "
+    ("backends/onnx/model.py", "TypeError"): "an export that cannot be made: the strategy reports it as the "
     "candidate's error and keeps another backend or eager",
+    ("backends/onnx/export.py", "RuntimeError"): "a private copy that cannot be exported (background tuning): reported "
+    "as the candidate's error",
+    ("backends/openvino.py", "RuntimeError"): "a compiled model in another precision than asked for: reported as the "
+    "candidate's error, never served",
     ("backends/onnxruntime.py", "RuntimeError"): "a build or a served call that failed: reported as the candidate's "
     "error, or the call falls back to eager",
     ("backends/onnxruntime.py", "MemoryError"): "a call over the shared arena's cap (`arena_cap()`): reported as "

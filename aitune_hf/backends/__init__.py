@@ -5,6 +5,7 @@ from aitune_hf.backends.eager import EagerBackend
 from aitune_hf.backends.inductor import InductorBackend
 from aitune_hf.backends.onnx import forget_exports
 from aitune_hf.backends.onnxruntime import OnnxRuntimeBackend, arena_cap
+from aitune_hf.backends.openvino import OpenVinoBackend
 
 __all__ = [
     "Backend",
@@ -12,6 +13,7 @@ __all__ = [
     "EagerBackend",
     "InductorBackend",
     "OnnxRuntimeBackend",
+    "OpenVinoBackend",
     "arena_cap",
     "backend_names",
     "forget_exports",

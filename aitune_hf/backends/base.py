@@ -13,6 +13,7 @@ import contextvars
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import json
 import os
 import pickle
@@ -197,6 +198,7 @@ _BUILTIN: dict[str, str] = {
     "eager": "aitune_hf.backends.eager:EagerBackend",
     "inductor": "aitune_hf.backends.inductor:InductorBackend",
     "onnxruntime": "aitune_hf.backends.onnxruntime:OnnxRuntimeBackend",
+    "openvino": "aitune_hf.backends.openvino:OpenVinoBackend",
 }
 _REGISTRY: dict[str, type[Backend]] = {}
 
@@ -226,6 +228,13 @@ def installed_version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+def default_backend_names() -> tuple[str, ...]:
+    """The candidates tried when none are named (`TuningConfig.backends`): Inductor, ONNX Runtime and, where it is
+    installed (the `openvino` extra), OpenVINO; whole-component candidates (`component_backends`) are the ONNX
+    runtimes among them. Naming "openvino" without it installed is an error; leaving it out of the default is not."""
+    return ("inductor", "onnxruntime", *(("openvino",) if importlib.util.find_spec("openvino") is not None else ()))
 
 
 def backend_names() -> list[str]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from aitune_hf.backends.base import PRECISIONS, Backend, backend_names, get_backend
+from aitune_hf.backends.base import PRECISIONS, Backend, backend_names, default_backend_names, get_backend
 from aitune_hf.core.quality import METRICS
 from aitune_hf.core.strategy_base import STRATEGIES, Strategy
 from aitune_hf.errors import ConfigError, InputTypeError
@@ -35,7 +35,8 @@ class TuningConfig:
     """How targets are tuned.
 
     Args:
-        backends: candidates, by name or as `Backend` instances with options; eager is always the baseline.
+        backends: candidates, by name or as `Backend` instances with options; eager is always the baseline. Default:
+            Inductor, ONNX Runtime and, where installed, OpenVINO (`backends.base.default_backend_names`).
         strategy: "min_latency" (default), "first_wins", or a `Strategy` instance such as `OneBackend(...)`.
         min_speedup: the eager/candidate latency ratio a non-eager candidate must reach to be chosen;
             0 prefers any correct candidate to eager.
@@ -100,7 +101,7 @@ class TuningConfig:
         aitune_hf.errors.ConfigError: TuningConfig.min_speedup must be a finite number >= 0, got nan
     """
 
-    backends: Sequence[str | Backend] = ("inductor", "onnxruntime")
+    backends: Sequence[str | Backend] = field(default_factory=default_backend_names)
     strategy: str | Strategy = "min_latency"
     min_speedup: float = 1.05
     tolerances: Mapping[torch.dtype, tuple[float, float]] = field(default_factory=lambda: dict(DEFAULT_TOLERANCES))

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aitune_hf.backends.base import Backend, backend_names
+from aitune_hf.backends.base import Backend, backend_names, default_backend_names
 from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.registration import Registration, register
 from aitune_hf.core.strategy import Strategy
@@ -80,7 +80,7 @@ class AITuneMixin:
         strategy: str | Strategy | None = None,
         config: TuningConfig | Mapping[str, Any] | None = None,
         tune_after_calls: int | None = 1,
-        component_backends: Sequence[str] = ("onnxruntime",),
+        component_backends: Sequence[str] | None = None,
         **config_fields: Any,
     ) -> Registration:
         """Find the targets, register them with the tuning core, and return the Registration.
@@ -89,9 +89,10 @@ class AITuneMixin:
         dotted names or a callable; `backends`/`strategy`/other `TuningConfig` fields override `config`;
         `tune_after_calls` arms tuning after that many whole calls (None: call `self.aitune.tune()` yourself).
 
-        `targets="auto"` tunes whole components first, with `component_backends` only (exports are quick;
-        whole-component compiles are not); each component that stays eager is then replaced by its blocks,
-        which record in the next call and tune, with every backend, in the call after.
+        `targets="auto"` tunes whole components first, with `component_backends` only (default: the ONNX runtimes
+        installed, ONNX Runtime and OpenVINO: exports are quick; whole-component compiles are not); each component
+        that stays eager is then replaced by its blocks, which record in the next call and tune, with every backend,
+        in the call after.
 
         Raises (before anything is registered or patched):
             ConfigError: a bad `tune_after_calls`, `component_backends` or `TuningConfig` field.
@@ -317,6 +318,8 @@ def _check_arguments(targets: Any, tune_after_calls: Any, component_backends: An
         not isinstance(tune_after_calls, int) or isinstance(tune_after_calls, bool) or tune_after_calls < 1
     ):
         raise ConfigError(f"enable_aitune tune_after_calls must be an int >= 1 or None, got {tune_after_calls!r}")
+    if component_backends is None:
+        component_backends = tuple(name for name in default_backend_names() if name != "inductor")
     if isinstance(component_backends, str):
         component_backends = (component_backends,)
     if (

@@ -32,6 +32,7 @@ BACKENDS: dict[str, Callable[[], Backend]] = {
     "eager": AsCandidate,
     "inductor": lambda: get_backend("inductor"),
     "onnxruntime": lambda: get_backend("onnxruntime"),
+    "openvino": lambda: get_backend("openvino"),
 }
 
 
@@ -79,8 +80,8 @@ def _check_kind(kind: str, x: torch.Tensor, t: torch.Tensor) -> None:
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("backend_name", list(BACKENDS))
 def test_marshalling(backend_name: str, kind: str) -> None:
-    if backend_name == "onnxruntime":
-        pytest.importorskip("onnxruntime")
+    if backend_name in ("onnxruntime", "openvino"):
+        pytest.importorskip(backend_name)
         pytest.importorskip("onnxscript")
     backend = BACKENDS[backend_name]()
     block = Block().eval()

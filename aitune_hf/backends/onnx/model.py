@@ -54,12 +54,12 @@ class CallLayout:
         in_leaves, in_spec = pytree.tree_flatten((args, kwargs))
         for leaf in in_leaves:
             if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.bfloat16:
-                raise TypeError("bfloat16 tensors cannot cross into onnxruntime here; use float16 or float32")
+                raise TypeError("bfloat16 tensors cannot cross into an ONNX runtime here; use float16 or float32")
         weights = named_weights(module) if live else {}
         for name, tensor in weights.items():
             if tensor.dtype == torch.bfloat16:
                 raise TypeError(
-                    f"weight {name!r} is bfloat16, which cannot be fed to onnxruntime live; use weights='baked'"
+                    f"weight {name!r} is bfloat16, which cannot be fed to an ONNX runtime live; use weights='baked'"
                 )
         with torch.no_grad():
             out_leaves, out_spec = pytree.tree_flatten(forward(*args, **kwargs))

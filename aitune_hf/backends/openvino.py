@@ -1,0 +1,241 @@
+"""OpenVINO: the block's ONNX export (`backends/onnx/`, the one ONNX Runtime reads: a block tuned with both runtimes is
+exported once) read by OpenVINO and compiled for the CPU, in an explicit precision, one compiled model per shape
+family, one infer request per calling thread."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from aitune_hf.backends.base import Backend, BuiltBackend, Call, current_build, installed_version, register_backend
+from aitune_hf.backends.onnx.export import cpu_array, leaves_into, needs_external_data
+from aitune_hf.backends.onnx.model import CallLayout, obtain
+from aitune_hf.errors import CandidateUnavailable, ConfigError
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'aitune-hf[openvino]'"
+#: Our precision names -> OpenVINO's `INFERENCE_PRECISION_HINT`. int8 is not offered: OpenVINO's CPU plugin computes
+#: int8 only for models quantized beforehand (NNCF), which this backend does not do.
+_HINTS = {"fp32": "f32", "bf16": "bf16"}
+#: The compiled model's file name inside an artifact folder (`CompiledModel.export_model`).
+_BLOB_FILE = "model.ov.blob"
+
+
+@register_backend
+class OpenVinoBackend(Backend):
+    """Read the block's ONNX export with OpenVINO and compile it for the CPU.
+
+    Precision is never left to OpenVINO: on a CPU with AVX512-BF16 or AMX it computes in bf16 unless told otherwise,
+    so every compile (and every import of a cached compiled model, which otherwise takes the plugin's default too) sets
+    `INFERENCE_PRECISION_HINT`: f32 for `precision="fp32"` (outputs within fp32 tolerances of eager, checked like every
+    candidate), bf16 for the reduced-precision variant that `TuningConfig(precision="auto")` offers where the CPU
+    computes bf16 natively (under the per-block filter and the end-to-end quality gate). A compiled model that reports
+    another precision than the one asked for is refused.
+
+    Threads: `num_threads` (default: torch's thread count, read at build time), one stream, no pinning of threads to
+    cores (other processes and torch share them), latency mode. `CompiledModel.__call__` reuses one infer request, which
+    concurrent callers would share: each calling thread gets its own request here.
+
+    Shapes: a shape family is exported with dynamic dimensions (as for ONNX Runtime) and one compiled model serves
+    every shape of it; `dynamic_dims` reads which dimensions OpenVINO left free.
+
+    Weights are baked (OpenVINO constants): the tuning core verifies their values before each call. Cache: the compiled
+    model (`export_model`) is written to the tuning cache and imported on a warm start with the same precision hint;
+    the key holds the OpenVINO version and the CPU's kernel flags, and a blob OpenVINO refuses is built afresh with a
+    warning.
+    """
+
+    name = "openvino"
+    polymorphic = True
+    builds_privately = True  # exports a private copy of the module (`onnx.export.private_twin`)
+    bakes_weights = True
+
+    def __init__(
+        self, precision: str = "fp32", num_threads: int | None = None, opset_version: int | None = None
+    ) -> None:
+        if importlib.util.find_spec("openvino") is None:
+            raise ConfigError(f"the openvino backend needs OpenVINO, which is not installed ({INSTALL_HINT})")
+        if precision not in _HINTS:
+            raise ConfigError(
+                f"OpenVinoBackend: precision={precision!r} is not valid; valid values: {', '.join(map(repr, _HINTS))}"
+            )
+        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                        or num_threads < 1):  # fmt: skip
+            raise ConfigError(
+                f"OpenVinoBackend: num_threads={num_threads!r} is not valid; valid values: None, an int >= 1"
+            )
+        self.precision = precision
+        self.num_threads = num_threads
+        self.opset_version = opset_version
+        #: In the keys of this instance's sibling exports (`onnx.reuse.skeleton_keys`), as for ONNX Runtime.
+        self._own = object()
+
+    def with_precision(self, precision: str) -> OpenVinoBackend | None:
+        if precision == self.precision:
+            return self
+        if precision not in _HINTS:
+            return None
+        return OpenVinoBackend(precision=precision, num_threads=self.num_threads, opset_version=self.opset_version)
+
+    def describe(self) -> str:
+        return self.name if self.precision == "fp32" else f"{self.name}(precision={self.precision})"
+
+    @classmethod
+    def versions(cls) -> dict[str, str | None]:
+        return {package: installed_version(package) for package in ("openvino", "onnx", "onnxscript")}
+
+    def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
+        for package in ("openvino", "onnxscript", "onnx"):
+            if importlib.util.find_spec(package) is None:
+                hint = INSTALL_HINT if package == "openvino" else "pip install 'aitune-hf[onnx]'"
+                return f"{package} is not installed ({hint})"
+        unsupported = sorted(str(d) for d in devices if d.type != "cpu")
+        if unsupported:
+            return f"the openvino backend runs on the CPU only, not on {', '.join(unsupported)}"
+        return None
+
+    def prepare(self) -> None:
+        """Imports OpenVINO and onnx (reading the export back) before any call is served (background tuning)."""
+        import onnx  # noqa: F401
+        import openvino  # noqa: F401
+
+    def config(self) -> dict[str, Any]:
+        """The properties every compile and import of this backend's models gets."""
+        return {
+            "INFERENCE_PRECISION_HINT": _HINTS[self.precision],
+            "INFERENCE_NUM_THREADS": self.num_threads or torch.get_num_threads(),
+            "NUM_STREAMS": 1,
+            "PERFORMANCE_HINT": "LATENCY",
+            "ENABLE_CPU_PINNING": False,
+        }
+
+    def build(
+        self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call], dynamic: bool = False
+    ) -> BuiltBackend:
+        """Obtain the export (reused, shared with the other ONNX runtime's build of this call, or made: in the build
+        process for background tuning), read it and compile it; or import the compiled model from the cache."""
+        layout = CallLayout.of(module, forward, samples, dynamic, live=False)
+        if needs_external_data(module):
+            raise CandidateUnavailable("this block's weights pass protobuf's 2 GB limit, which the ONNX export keeps")
+        place = current_build().place
+        cached = place.load(self, True) if place is not None else None
+        config = self.config()
+        compiled, source = None, "cache"
+        if cached is not None:
+            try:
+                compiled = _core().import_model(io.BytesIO((cached / _BLOB_FILE).read_bytes()), "CPU", config)
+            except Exception as error:  # another OpenVINO build or CPU wrote it: the key should have kept it apart
+                logger.warning("aitune_hf: a cached OpenVINO model could not be loaded (%s); compiling afresh", error)
+                cached = None
+        if compiled is None:
+            obtained = obtain(
+                layout, module, forward, samples, owner=self._own, opset_version=self.opset_version, reusable=True,
+                offload=current_build().private_only,
+            )  # fmt: skip
+            if obtained.worker is not None:
+                obtained.worker.remove()  # the export is read back already (`obtained.proto`)
+            model = _core().read_model(io.BytesIO(obtained.model_proto.SerializeToString()))
+            compiled = _core().compile_model(model, "CPU", config)
+            source = obtained.how
+        _check_precision(compiled, config["INFERENCE_PRECISION_HINT"])
+        artifacts: list[Path] = []
+        if place is not None and cached is None:
+            folder = place.save()
+            blob = io.BytesIO()
+            compiled.export_model(blob)
+            (folder / _BLOB_FILE).write_bytes(blob.getvalue())
+            artifacts = [folder]
+        runner = _InferRunner(compiled, layout, source)
+        return BuiltBackend(
+            fn=runner,
+            bakes_weights=True,
+            artifacts=artifacts,
+            dynamic_dims=runner.free_dims() if dynamic else None,
+            loaded=cached is not None,
+            reused=source == "reused",
+        )
+
+
+_core_lock = threading.Lock()
+_ov_core: Any = None
+
+
+def _core() -> Any:
+    """The process's one `openvino.Core` (made on first use; it reads the plugins once)."""
+    global _ov_core
+    with _core_lock:
+        if _ov_core is None:
+            import openvino
+
+            _ov_core = openvino.Core()
+        return _ov_core
+
+
+def _check_precision(compiled: Any, hint: str) -> None:
+    """Refuse a compiled model that computes in another precision than asked for (never silently lossy)."""
+    got = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+    expected = {"f32": "float32", "bf16": "bfloat16"}[hint]
+    if expected not in got:
+        if hint == "bf16":
+            raise CandidateUnavailable(f"OpenVINO does not compute bf16 on this CPU (it compiled {got})")
+        raise RuntimeError(f"OpenVINO compiled {got} where f32 was asked for; refusing a lossy model in fp32 mode")
+
+
+class _InferRunner:
+    """Calls a compiled model with torch tensors, one infer request per calling thread, and returns the forward's output
+    structure (each output a fresh tensor: nothing handed to a caller is overwritten by a later call)."""
+
+    def __init__(self, compiled: Any, layout: CallLayout, source: str) -> None:
+        #: Where the model came from: "export", "reused" (an identical module's export with these weights), "shared"
+        #: (the export another build of this call made in this tuning) or "cache" (an imported compiled model).
+        self.source = source
+        self.compiled = compiled
+        self.layout = layout
+        self._ports = {port.get_any_name(): port for port in compiled.inputs}
+        # The exporter drops inputs the graph does not use.
+        self.input_positions = {n: p for n, p in layout.input_positions.items() if n in self._ports}
+        self.out_template = layout.out_template
+        self._outputs = [compiled.output(name) for name in layout.output_names]
+        self._local = threading.local()
+
+    def precision(self) -> str:
+        return str(self.compiled.get_property("INFERENCE_PRECISION_HINT"))
+
+    def free_dims(self) -> tuple[frozenset[int], ...]:
+        """Per tensor input, the dimensions the compiled model leaves free (an input the graph dropped: any)."""
+        free = []
+        for name, position in zip(self.layout.input_names, self.layout.tensor_positions, strict=True):
+            port = self._ports.get(name)
+            rank = self.layout.in_leaves[position].dim()
+            if port is None:
+                free.append(frozenset(range(rank)))
+            else:
+                shape = port.get_partial_shape()
+                free.append(frozenset(d for d in range(rank) if shape[d].is_dynamic))
+        return tuple(free)
+
+    def _request(self) -> Any:
+        request = getattr(self._local, "request", None)
+        if request is None:
+            request = self._local.request = self.compiled.create_infer_request()
+        return request
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves: list[Any] = []
+        leaves_into(args, leaves)
+        leaves_into(kwargs, leaves)
+        feeds = {name: cpu_array(leaves[position]) for name, position in self.input_positions.items()}
+        results = self._request().infer(feeds, share_inputs=True, share_outputs=False)
+        out_leaves = list(self.out_template)
+        for position, output in zip(self.layout.out_tensor_positions, self._outputs, strict=True):
+            out_leaves[position] = torch.from_numpy(results[output])
+        return pytree.tree_unflatten(out_leaves, self.layout.out_spec)

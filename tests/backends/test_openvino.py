@@ -1,0 +1,171 @@
+"""The OpenVINO backend: fp32 computes in f32 on every CPU (bf16 only when asked, where the CPU has it), one compiled
+model serves a shape family, concurrent callers never share an infer request, the export is shared with ONNX Runtime,
+a warm cache imports the compiled model in the precision asked for, and bad input is a clear error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("openvino")
+pytest.importorskip("onnxscript")
+
+from aitune_hf import TuningConfig, register
+from aitune_hf.backends import OnnxRuntimeBackend, OpenVinoBackend, get_backend
+from aitune_hf.backends.base import build_context
+from aitune_hf.core.precision import with_precisions
+from aitune_hf.errors import ConfigError
+from aitune_hf.hardware import cpu_bf16_reason
+from tests.backends.test_fused_kernels import BertBlock, _bert_call
+from tests.quick import QUICK
+
+FP32 = {"atol": 1e-5, "rtol": 1e-4}  # fp32: OpenVINO sums in another order than eager
+CPU = frozenset({torch.device("cpu")})
+
+
+def _build(backend: OpenVinoBackend, module: nn.Module, calls: list[tuple], dynamic: bool = False):
+    with torch.no_grad():
+        return backend.build(module, module.forward, [(call, {}) for call in calls], dynamic=dynamic)
+
+
+def test_fp32_computes_in_f32_over_a_shape_family_even_where_the_cpu_has_bf16() -> None:
+    """OpenVINO's own default on a CPU with AVX512-BF16 or AMX is bf16: the fp32 build must say f32 and be within fp32
+    tolerances on lengths and batch sizes it was not built on, with one compiled model."""
+    module = BertBlock()
+    built = _build(OpenVinoBackend(num_threads=1), module, [_bert_call(2, 8), _bert_call(3, 13)], dynamic=True)
+    assert "float32" in built.fn.precision()
+    assert built.dynamic_dims is not None and {0, 1} <= built.dynamic_dims[0]
+    for batch, length in [(1, 5), (4, 31), (2, 8)]:
+        call = _bert_call(batch, length)
+        with torch.no_grad():
+            torch.testing.assert_close(built.fn(*call), module(*call), **FP32)
+
+
+@pytest.mark.skipif(cpu_bf16_reason() is not None, reason="this CPU has no native bf16")
+def test_bf16_is_a_variant_that_computes_bf16_within_the_block_budget() -> None:
+    module = BertBlock()
+    variant = OpenVinoBackend(num_threads=1).with_precision("bf16")
+    assert variant is not None and variant.describe() == "openvino(precision=bf16)"
+    built = _build(variant, module, [_bert_call(2, 8)])
+    assert "bfloat16" in built.fn.precision()
+    call = _bert_call(2, 8)
+    with torch.no_grad():
+        got, expected = built.fn(*call), module(*call)
+    assert not torch.equal(got, expected)  # really reduced
+    assert ((got - expected).norm() / expected.norm()).item() < 0.05
+
+
+def test_auto_offers_openvino_in_each_precision_the_cpu_computes() -> None:
+    offered, skipped = with_precisions([OpenVinoBackend()], TuningConfig(precision="auto"), CPU)
+    names = [backend.describe() for backend in offered]
+    assert names[0] == "openvino"
+    assert ("openvino(precision=bf16)" in names) == (cpu_bf16_reason() is None), (names, skipped)
+    assert not any("int8" in name for name in names)  # OpenVINO computes int8 only for models quantized beforehand
+
+
+def test_concurrent_callers_each_get_their_own_infer_request() -> None:
+    """`CompiledModel.__call__` shares one infer request: here every thread has its own, so outputs never mix."""
+    module = BertBlock()
+    built = _build(OpenVinoBackend(num_threads=1), module, [_bert_call(2, 8), _bert_call(3, 11)], dynamic=True)
+    calls = [_bert_call(1 + i % 3, 4 + 3 * i) for i in range(6)]
+    with torch.no_grad():
+        expected = [module(*call) for call in calls]
+    failures: list[str] = []
+    start = threading.Barrier(len(calls))
+
+    def run(index: int) -> None:
+        start.wait()
+        with torch.no_grad():
+            for _ in range(20):
+                got = built.fn(*calls[index])
+                if got.shape != expected[index].shape or not torch.allclose(got, expected[index], **FP32):
+                    failures.append(f"thread {index}")
+                    return
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+
+
+def test_a_call_tuned_with_both_runtimes_is_exported_once() -> None:
+    """OpenVINO reads the export ONNX Runtime's build of the same call made in the same tuning."""
+    module = BertBlock()
+    calls = [((*_bert_call(2, 8),), {})]
+    with build_context(shared={}), torch.no_grad():
+        first = OnnxRuntimeBackend(intra_op_num_threads=1).build(module, module.forward, calls)
+        second = OpenVinoBackend(num_threads=1).build(module, module.forward, calls)
+    assert first.fn.source in ("export", "reused") and second.fn.source == "shared"
+    call = _bert_call(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(second.fn(*call), module(*call), **FP32)
+
+
+def test_a_warm_cache_imports_the_compiled_model_in_f32(tmp_path: Path) -> None:
+    call = _bert_call(2, 8)
+    config = {**QUICK, "backends": ["openvino"], "min_speedup": 0, "cache_dir": str(tmp_path)}
+    for expected_source in ("export", "cache"):
+        module = BertBlock()
+        registration = register({"block": module}, config)
+        with torch.no_grad():
+            reference = module(*call)
+            registration.tune()
+            module(*call)
+            served = module(*call)
+        target = registration.targets["block"]
+        assert target.report().backend == "openvino", registration.report()
+        assert target.calls_served["openvino"] >= 1
+        assert (target.report().signatures[0].from_cache is not None) == (expected_source == "cache")
+        torch.testing.assert_close(served, reference, **FP32)
+        registration.detach()
+    assert list(tmp_path.rglob("model.ov.blob"))
+
+
+def test_a_weight_edit_is_seen_and_the_served_output_stays_eager_s() -> None:
+    """The weights are baked into the compiled model: an in-place edit (no version bump) is caught by the core's weight
+    check, and the call returns what eager returns now."""
+    module = BertBlock()
+    call = _bert_call(2, 8)
+    config = {**QUICK, "backends": ["openvino"], "min_speedup": 0, "shapes": "exact"}
+    with register({"block": module}, config) as registration, torch.no_grad():
+        module(*call)
+        registration.tune()
+        module(*call)
+        assert registration.targets["block"].calls_served.get("openvino", 0) >= 1
+        module.layer.output.dense.weight.data.add_(0.5)
+        torch.testing.assert_close(module(*call), BertBlock.forward(module, *call), **FP32)
+
+
+def test_bad_options_name_the_value_and_what_is_valid() -> None:
+    with pytest.raises(ConfigError, match=r"precision='int4' is not valid; valid values: 'fp32', 'bf16'"):
+        OpenVinoBackend(precision="int4")
+    with pytest.raises(ConfigError, match=r"num_threads=0 is not valid"):
+        OpenVinoBackend(num_threads=0)
+    assert "runs on the CPU only" in get_backend("openvino").unavailable_reason(frozenset({torch.device("meta")}))
+
+
+def test_without_openvino_naming_the_backend_is_a_clear_error() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['openvino'] = None\n"
+        "import torch, aitune_hf\n"
+        "from aitune_hf.errors import ConfigError\n"
+        "try:\n"
+        "    aitune_hf.register([torch.nn.Linear(2, 2)], {'backends': ['openvino'], 'progress': False})\n"
+        "except ConfigError as error:\n"
+        "    assert \"pip install 'aitune-hf[openvino]'\" in str(error), error\n"
+        "else:\n"
+        "    raise SystemExit('no error')\n"
+        "assert 'openvino' not in aitune_hf.TuningConfig().backends\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
