@@ -5,8 +5,8 @@
 
 One torch thread (ONNX Runtime gets the same). A corpus of 256 sentences of 6-130 tokens; single-sentence queries.
 
-- **Tuning** (a fresh `SentenceTransformer`, `enable_aitune(model, backends=["onnxruntime"])` on the wrapper as
-  the docs' recipe says; `--backends onnxruntime,inductor` for the default candidates):
+- **Tuning** (a fresh `SentenceTransformer`, `enable_aitune(model, backends=["onnxruntime", "openvino"])` on the
+  wrapper as the docs' recipe says; `--backends onnxruntime,openvino,inductor` for the default candidates):
   `encode(corpus[:128], batch_size=32)` twice (records, then tunes at the start of the second call), then eight
   queries of lengths from set A, one by one (the first records the query family, the next tunes it). Tuning
   seconds are the report's; memory is the process's RSS, after `gc` and `malloc_trim`, before enabling, after
@@ -14,6 +14,10 @@ One torch thread (ONNX Runtime gets the same). A corpus of 256 sentences of 6-13
 - **Throughput**: `encode(corpus, batch_size=32)`, sentences per second.
 - **Latency**: the mean time of one `encode(query)` over 32 queries whose token lengths (set B) were never seen
   while tuning: aitune serves them after a one-time check per new length (the first pass, not timed).
+- The peer a CPU user picks: OpenVINO converting the Hugging Face model whole (`openvino.convert_model` with every
+  input dimension dynamic, compiled for the CPU with one thread), served in place of the model's forward as
+  sentence-transformers' `backend="openvino"` serves it: `OpenVINO f32` (precision hint f32) and, where the CPU computes
+  bf16 natively, `OpenVINO bf16` (OpenVINO's own default there). Its one-off cost is the conversion and compile.
 - Variants, models in one process, timed in interleaved rounds (rotating order, medians): eager; aitune (fp32);
   with `--precision auto`, aitune with `precision="auto"` too (every reduced precision this CPU computes natively,
   gated end to end on the embeddings' min cosine); `torch.compile(model.forward, dynamic=True)` on the Hugging Face
@@ -36,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from aitune_hf import Stopwatch, enable_aitune
+from aitune_hf import Stopwatch, enable_aitune, hardware
 from aitune_hf.backends import forget_exports
 from aitune_hf.session import describe_machine
 from aitune_hf.testing import minilm_path
@@ -112,6 +116,39 @@ def pair_similarities(embeddings: torch.Tensor) -> torch.Tensor:
     return sims[rows, cols]
 
 
+def openvino_whole(path: str, precision: str):
+    """A SentenceTransformer whose Hugging Face model runs as one OpenVINO model (see the module docstring), and the
+    seconds its conversion and compile took."""
+    import openvino
+    from sentence_transformers import SentenceTransformer
+    from transformers.modeling_outputs import BaseModelOutput
+
+    model = SentenceTransformer(path, device="cpu")
+    inner = model[0].auto_model
+    example = model.tokenize(["a short example sentence", "and another one, a little longer than the first"])
+    names = [name for name in ("input_ids", "attention_mask", "token_type_ids") if name in example]
+    with Stopwatch() as preparing:
+        converted = openvino.convert_model(inner, example_input={name: example[name] for name in names})
+        converted.reshape({port.get_any_name(): openvino.PartialShape([-1, -1]) for port in converted.inputs})
+        config = {
+            "INFERENCE_PRECISION_HINT": {"f32": "f32", "bf16": "bf16"}[precision],
+            "INFERENCE_NUM_THREADS": torch.get_num_threads(),
+            "NUM_STREAMS": 1,
+            "PERFORMANCE_HINT": "LATENCY",
+        }
+        compiled = openvino.Core().compile_model(converted, "CPU", config)
+    request = compiled.create_infer_request()
+    inputs = [port.get_any_name() for port in compiled.inputs]
+
+    def forward(**kwargs):
+        feeds = {name: kwargs[name].numpy() for name in inputs if name in kwargs}
+        out = request.infer(feeds, share_outputs=False)
+        return BaseModelOutput(last_hidden_state=torch.from_numpy(out[compiled.output(0)]))
+
+    inner.forward = forward
+    return model, preparing.seconds
+
+
 def interleaved(fns: dict[str, callable], rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
@@ -128,7 +165,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--out", type=Path, default=RESULTS / "minilm_traffic.md")
     parser.add_argument(
-        "--backends", default="onnxruntime", help="aitune's candidates, comma-separated (docs' CPU recipe: onnxruntime)"
+        "--backends",
+        default="onnxruntime,openvino",
+        help="aitune's candidates, comma-separated (docs' CPU recipe: onnxruntime,openvino)",
     )
     parser.add_argument(
         "--precision",
@@ -187,6 +226,9 @@ def main() -> None:
                 reduced.encode(query)
             variants["aitune auto"] = reduced
 
+        peers, peer_seconds = {}, {}
+        for precision in ("f32", "bf16") if hardware.cpu_bf16_reason() is None else ("f32",):
+            peers[f"OpenVINO {precision}"], peer_seconds[f"OpenVINO {precision}"] = openvino_whole(path, precision)
         eager = SentenceTransformer(path, device="cpu")
         compiled = SentenceTransformer(path, device="cpu")
         inner = compiled[0].auto_model
@@ -200,7 +242,7 @@ def main() -> None:
         reference = eager.encode(texts, batch_size=32, convert_to_tensor=True)
         reference_pairs = pair_similarities(reference[:64])
         reference_queries = torch.stack([eager.encode(q, convert_to_tensor=True) for q in queries_b])
-        models = {"eager": eager, **variants, "torch.compile": compiled}
+        models = {"eager": eager, **variants, **peers, "torch.compile": compiled}
         quality = {}
         for name, model in models.items():
             embeddings = model.encode(texts, batch_size=32, convert_to_tensor=True)
@@ -234,6 +276,8 @@ def main() -> None:
             return "-"
         if name == "torch.compile":
             return f"{compile_s:.1f} compiling (first calls)"
+        if name in peer_seconds:
+            return f"{peer_seconds[name]:.1f} converting and compiling"
         tuning, prepare_all = tunings[name]
         return f"{tuning:.1f} tuning ({prepare_all:.1f} s for the tuning calls in all)"
 

@@ -1,0 +1,52 @@
+"""OpenVINO through the whole user flow: a tiny SD pipeline with a real peft LoRA adapter, every block tuned with
+OpenVINO (fp32: f32 even on a CPU whose OpenVINO default is bf16), then an adapter weight change: every served call
+equals an eager call in the same state, and the changed stages are served by OpenVINO again on their own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from aitune_hf import TargetState
+from tests.hf.conftest import call_kwargs
+from tests.hf.test_guards_diffusers import ATOL, STEPS, assert_changed, check, finish, lora_folders, sd  # noqa: F401
+from tests.quick import QUICK
+
+pytest.importorskip("openvino")
+
+OPENVINO = {**QUICK, "backends": ["openvino"], "min_speedup": 0, "shapes": "exact"}
+
+
+def openvino_calls(pipe) -> dict[str, int]:
+    return {name: pipe.aitune.reports[name].calls.get("openvino", 0) for name in pipe.aitune.targets}
+
+
+def test_every_sd_block_served_by_openvino_follows_a_lora_change(sd) -> None:  # noqa: F811 (the fixture)
+    pipe = sd("a")
+    registration = pipe.enable_aitune("blocks", **OPENVINO)
+    for _ in range(2):  # records, then tunes inside the second call
+        pipe(**call_kwargs("sd"), generator=torch.Generator().manual_seed(0))
+    assert registration.all_tuned, registration.report()
+    tuned_here = [name for name, target in registration.targets.items() if target.state is TargetState.TUNED]
+    assert {name for name in registration.targets if name.startswith(("unet.", "text_encoder."))} <= set(tuned_here)
+    assert {registration.reports[name].backend for name in tuned_here} == {"openvino"}, registration.report()
+    before = openvino_calls(pipe)
+    reference = check(pipe, "tuning with OpenVINO")
+    served = openvino_calls(pipe)
+    unet = [name for name in served if name.startswith("unet.")]
+    assert all(served[name] - before[name] == STEPS for name in unet), (before, served)
+
+    pipe.set_adapters("a", 0.5)
+    changed = check(pipe, "set_adapters('a', 0.5)")  # the guard sends the stale blocks to eager at once
+    assert_changed(reference, changed, "set_adapters('a', 0.5)")
+    for _ in range(4):  # the changed stages tune again for the new state, on their own
+        before = openvino_calls(pipe)
+        tuned = check(pipe, "set_adapters('a', 0.5), re-tuned")
+        if all(openvino_calls(pipe)[name] - before[name] == STEPS for name in unet):
+            break
+    else:
+        raise AssertionError(f"not served by OpenVINO again:\n{pipe.aitune.report()}")
+    assert all(registration.targets[name].state is TargetState.TUNED for name in unet)
+    np.testing.assert_allclose(tuned, changed, atol=ATOL)
+    finish(pipe)
