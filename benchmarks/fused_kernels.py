@@ -1,6 +1,7 @@
 """ONNX Runtime with and without fused kernels (issue 19), per block kind: plain `OnnxRuntimeBackend()` against
 `OnnxRuntimeBackend(kernels="fused")` (onnxscript's ONNX Runtime fusions: MultiHeadAttention, SkipLayerNormalization,
-BiasGelu), and eager, on the same block and call.
+BiasGelu), OpenVINO reading the same export (`OpenVinoBackend()`, f32; and bf16 where the CPU computes it natively,
+with its error beside it), and eager, on the same block and call.
 
     python benchmarks/fused_kernels.py                  # every workload, 1 thread, 31 interleaved rounds
     python benchmarks/fused_kernels.py --workloads minilm_b1_s32 --rounds 51
@@ -35,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as files
 
-from aitune_hf import register, time_interleaved
-from aitune_hf.backends import OnnxRuntimeBackend, forget_exports
+from aitune_hf import hardware, register, time_interleaved
+from aitune_hf.backends import OnnxRuntimeBackend, OpenVinoBackend, forget_exports
 from aitune_hf.testing import build_pipeline, minilm_path
 
 WORKLOADS = (
@@ -100,11 +101,20 @@ def measure(name: str, folder: Path, rounds: int) -> dict[str, Any]:
     notes = {}
     with torch.no_grad():
         reference = module(*call)
-        for label, backend in (("ort", OnnxRuntimeBackend(intra_op_num_threads=1)),
-                               ("ort_fused", OnnxRuntimeBackend(intra_op_num_threads=1, kernels="fused"))):  # fmt: skip
+        candidates = {
+            "ort": OnnxRuntimeBackend(intra_op_num_threads=1),
+            "ort_fused": OnnxRuntimeBackend(intra_op_num_threads=1, kernels="fused"),
+            "ov": OpenVinoBackend(num_threads=1),
+        }
+        if hardware.cpu_bf16_reason() is None:
+            candidates["ov_bf16"] = OpenVinoBackend(precision="bf16", num_threads=1)
+        for label, backend in candidates.items():
             built = backend.build(module, module.forward, [(call, {})])
-            error = (built.fn(*call) - reference).abs().max().item()
-            notes[label] = f"max abs error {error:.1e}" + (f", fused {built.fn.kernels}" if built.fn.kernels else "")
+            out = built.fn(*call)
+            error = (out - reference).abs().max().item()
+            relative = ((out - reference).norm() / reference.norm()).item()
+            fused = getattr(built.fn, "kernels", None)
+            notes[label] = f"max abs error {error:.1e} (rel. L2 {relative:.1e})" + (f", fused {fused}" if fused else "")
             fns[label] = built.fn
         latencies, failures = time_interleaved(fns, [(call, {})], warmup=3, repeats=rounds, baseline="eager")
     assert not failures, failures
@@ -136,8 +146,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {cpu_model()}; load average before: {os.getloadavg()}")
-    print("| workload | eager ms | ORT ms | ORT fused ms | fused vs ORT | build s in a tuning: ORT / fused | notes |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| workload | eager ms | ORT ms | ORT fused ms | fused vs ORT | OpenVINO f32 ms | OpenVINO bf16 ms | "
+        "build s in a tuning: ORT / fused | notes |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="aitune_hf_fused_") as folder:
         for name in args.workloads.split(","):
             result = measure(name, Path(folder), args.rounds)
@@ -146,8 +159,10 @@ def main() -> None:
             builds = result["build_s"]
             plain, fused = builds.get("onnxruntime"), builds.get("onnxruntime(kernels=fused)")
             cost = f"{plain or 0:.1f} / {fused or 0:.1f}"
+            bf16 = f"{ms['ov_bf16']:.3f}" if "ov_bf16" in ms else "- (no native bf16)"
             print(f"| {name} | {ms['eager']:.3f} | {ms['ort']:.3f} | {ms['ort_fused']:.3f} | "
-                  f"{ms['ort'] / ms['ort_fused']:.2f}x | {cost} | {notes} |", flush=True)  # fmt: skip
+                  f"{ms['ort'] / ms['ort_fused']:.2f}x | {ms['ov']:.3f} | {bf16} | {cost} | {notes} |",
+                  flush=True)  # fmt: skip
     print(f"load average after: {os.getloadavg()}")
 
 
