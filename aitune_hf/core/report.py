@@ -312,7 +312,11 @@ class TuningReport:
         for name, report in self.descended.items():
             lines.append(f"descended into {name} ({report.module_class}): as a whole it stayed eager: {report.reason}")
         quality = self.quality_line()
-        if self.end_to_end:
+        if self.end_to_end and self.end_to_end.get("speedup") is None:  # whole calls seen, none comparable
+            lines.insert(0, f"end to end: not measured ({self.end_to_end.get('method', 'no comparable calls')})")
+            if quality:
+                lines.insert(1, f"quality: {quality}")
+        elif self.end_to_end:
             e2e = self.end_to_end
             lines.insert(
                 0,

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import statistics
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
 
 from aitune_hf.backends.base import Backend, backend_names, default_backend_names
 from aitune_hf.core.config import TuningConfig
@@ -49,8 +53,10 @@ class _AITuneState:
     options: dict[str, Any]
     found: list[FoundTarget]
     schedule: Schedule  # which whole call records, arms, tunes; the quality gate's replay
-    eager_seconds: list[float] = field(default_factory=list)
-    tuned_seconds: list[float] = field(default_factory=list)
+    #: Whole-call seconds by what was called (`_call_key`): warm eager calls before tuning, tuned calls after. Only
+    #: calls of the same inputs are compared (a 64-sentence batch is never set against a single query).
+    eager_seconds: dict[str, list[float]] = field(default_factory=dict)
+    tuned_seconds: dict[str, list[float]] = field(default_factory=dict)
     measured: bool = False  # end_to_end came from measure_aitune (interleaved), not from plain calls
     #: The boundary the latest whole call came through ("__call__", "encode", "generate", "decode"): what
     #: `measure_aitune()` times by default (a SentenceTransformer is used through encode(), not __call__).
@@ -201,7 +207,8 @@ class AITuneMixin:
             output = call(*args, **kwargs)
         calls = state.schedule.call_ends()
         if not state.measured:
-            _time_whole_call(state, calls, watch.seconds, untouched=untouched, tuned_before=tuned_before)
+            key = _call_key(state.last_method, args, kwargs)
+            _time_whole_call(state, key, calls, watch.seconds, untouched=untouched, tuned_before=tuned_before)
         state.schedule.arm_after(calls, descend=functools.partial(self._aitune_descend, state))
         return output
 
@@ -389,18 +396,49 @@ def _apply_weight_motion(registration: Registration, found: list[FoundTarget]) -
             )
 
 
-def _time_whole_call(state: _AITuneState, calls: int, seconds: float, *, untouched: bool, tuned_before: bool) -> None:
-    """Keep a whole call's seconds for the end-to-end line: as eager where no target was armed or decided when it
-    began (warm calls only: the first call, lazy initialisation and cold caches, is never compared with tuned ones),
-    as tuned where every target was decided before and after it."""
+def _call_key(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """What makes two whole calls comparable: the method, the inputs' structure, tensors by shape, dtype and device,
+    plain values (a prompt, a sentence, a step count) by value, other objects (a generator, an image) by type."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    parts = [
+        (tuple(leaf.shape), str(leaf.dtype), str(leaf.device)) if isinstance(leaf, torch.Tensor)
+        else leaf if isinstance(leaf, str | int | float | bool | type(None))
+        else type(leaf).__qualname__
+        for leaf in leaves
+    ]  # fmt: skip
+    return hashlib.sha1(repr((method, str(spec), parts)).encode()).hexdigest()[:16]
+
+
+def _time_whole_call(
+    state: _AITuneState, key: str, calls: int, seconds: float, *, untouched: bool, tuned_before: bool
+) -> None:
+    """Keep a whole call's seconds under its inputs (`key`) for the end-to-end line: as eager where no target was armed
+    or decided when it began (warm calls only: the first call, lazy initialisation and cold caches, is never compared
+    with tuned ones), as tuned where every target was decided before and after it. The line compares calls of the same
+    inputs only, those timed most on both sides; where no tuned call had the inputs of a warm eager one, it says so
+    and claims no figure (nor a payback)."""
     if untouched and calls > 1:
-        state.eager_seconds.append(seconds)
+        state.eager_seconds.setdefault(key, []).append(seconds)
     elif tuned_before and state.registration.all_tuned and not untouched:
-        state.tuned_seconds.append(seconds)
-    if state.eager_seconds and state.tuned_seconds:
-        n_eager, n_tuned = len(state.eager_seconds), len(state.tuned_seconds)
-        method = f"whole calls: {n_eager} warm before tuning (recording), {n_tuned} after; medians"
-        _record_end_to_end(state, state.eager_seconds, state.tuned_seconds, method)
+        state.tuned_seconds.setdefault(key, []).append(seconds)
+    else:
+        return
+    if not state.eager_seconds or not state.tuned_seconds:
+        return
+    both = [k for k in state.eager_seconds if k in state.tuned_seconds]
+    if not both:
+        state.registration.end_to_end = {
+            "method": "no tuned whole call had the inputs of a warm eager one (calls of different inputs are not "
+            "compared); measure_aitune() times one"
+        }
+        return
+    best = max(both, key=lambda k: min(len(state.eager_seconds[k]), len(state.tuned_seconds[k])))
+    eager, tuned = state.eager_seconds[best], state.tuned_seconds[best]
+    distinct = len(state.eager_seconds.keys() | state.tuned_seconds.keys())
+    method = f"whole calls of the same inputs: {len(eager)} warm before tuning (recording), {len(tuned)} after; medians"
+    if distinct > 1:
+        method += f" (of {distinct} distinct inputs seen, {len(both)} on both sides; the most timed one shown)"
+    _record_end_to_end(state, eager, tuned, method)
 
 
 def _record_end_to_end(state: _AITuneState, eager: list[float], tuned: list[float], method: str) -> dict[str, Any]:

@@ -226,3 +226,48 @@ def test_disable_aitune_gives_back_the_memory_tuning_took(st_path, tmp_path) -> 
     rss = json.loads(done.stdout.strip().splitlines()[-1])
     assert rss["held"] - rss["base"] > 25, rss  # the sessions really took memory: a margin that means something
     assert rss["after"] - rss["base"] < 25, rss
+
+
+def test_the_end_to_end_line_compares_whole_calls_of_the_same_inputs_only(st_path) -> None:
+    """A service's mix (issue 32): batches of 64 sentences and single queries, tuning after 3 calls, then queries only.
+    The line once set a 64-sentence eager call against a one-sentence tuned call (22.93x on 1.0-1.5x blocks). Now its
+    eager and tuned figures both belong to one of the two calls, as an interleaved measurement of that call shows."""
+    model = sentence_transformers.SentenceTransformer(st_path, device="cpu")
+    batch, query = corpus(64), "short query"
+    registration = enable_aitune(model, **{**ORT_FAMILY, "tune_after_calls": 3})
+    for _ in range(3):
+        model.encode(batch, batch_size=32)
+        model.encode(query)
+    for _ in range(3):
+        model.encode(query)
+    assert registration.all_tuned, registration.report()
+    e2e = dict(registration.end_to_end)
+    assert "whole calls of the same inputs" in e2e["method"], e2e
+    assert str(registration.report()).startswith("end to end: eager ")
+    measured = {
+        "batch": model.measure_aitune(batch, batch_size=32, rounds=2),
+        "query": model.measure_aitune(query, rounds=5),
+    }
+    # The batch takes tens of times a query here: a figure mixing them is far outside these bands.
+    assert measured["batch"]["eager_s"] > 8 * measured["query"]["eager_s"], measured
+
+    def matches(figure: dict) -> bool:
+        return all(figure[k] / 3 <= e2e[k] <= figure[k] * 3 for k in ("eager_s", "tuned_s"))
+
+    assert matches(measured["batch"]) or matches(measured["query"]), (e2e, measured)
+    model.disable_aitune()
+
+
+def test_without_a_tuned_call_of_the_inputs_of_a_warm_eager_one_the_line_claims_no_figure(st_path) -> None:
+    model = sentence_transformers.SentenceTransformer(st_path, device="cpu")
+    registration = enable_aitune(model, **{**ORT_FAMILY, "tune_after_calls": 2})
+    model.encode(corpus(8), batch_size=8)
+    model.encode(corpus(8, seed=1), batch_size=8)  # warm, eager: then tuning is armed
+    model.encode(corpus(8, seed=2), batch_size=8)  # tunes
+    model.encode(corpus(8, seed=3), batch_size=8)  # tuned, but other sentences than any eager call
+    assert registration.all_tuned, registration.report()
+    report = registration.report()
+    assert report.end_to_end is not None and "speedup" not in report.end_to_end
+    assert str(report).startswith("end to end: not measured (no tuned whole call had the inputs of a warm eager one")
+    assert report.payback() is None
+    model.disable_aitune()
