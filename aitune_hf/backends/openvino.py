@@ -199,7 +199,13 @@ class _InferRunner:
         #: (the export another build of this call made in this tuning) or "cache" (an imported compiled model).
         self.source = source
         self.compiled = compiled
-        self.layout = layout
+        # Not the layout itself: it holds the sample call's tensors and outputs, which the runner must not keep alive.
+        self._inputs = [
+            (name, layout.in_leaves[p].dim())
+            for name, p in zip(layout.input_names, layout.tensor_positions, strict=True)
+        ]
+        self._out_positions = layout.out_tensor_positions
+        self._out_spec = layout.out_spec
         self._ports = {port.get_any_name(): port for port in compiled.inputs}
         # The exporter drops inputs the graph does not use.
         self.input_positions = {n: p for n, p in layout.input_positions.items() if n in self._ports}
@@ -213,9 +219,8 @@ class _InferRunner:
     def free_dims(self) -> tuple[frozenset[int], ...]:
         """Per tensor input, the dimensions the compiled model leaves free (an input the graph dropped: any)."""
         free = []
-        for name, position in zip(self.layout.input_names, self.layout.tensor_positions, strict=True):
+        for name, rank in self._inputs:
             port = self._ports.get(name)
-            rank = self.layout.in_leaves[position].dim()
             if port is None:
                 free.append(frozenset(range(rank)))
             else:
@@ -236,6 +241,6 @@ class _InferRunner:
         feeds = {name: cpu_array(leaves[position]) for name, position in self.input_positions.items()}
         results = self._request().infer(feeds, share_inputs=True, share_outputs=False)
         out_leaves = list(self.out_template)
-        for position, output in zip(self.layout.out_tensor_positions, self._outputs, strict=True):
+        for position, output in zip(self._out_positions, self._outputs, strict=True):
             out_leaves[position] = torch.from_numpy(results[output])
-        return pytree.tree_unflatten(out_leaves, self.layout.out_spec)
+        return pytree.tree_unflatten(out_leaves, self._out_spec)
