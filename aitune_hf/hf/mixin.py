@@ -207,7 +207,7 @@ class AITuneMixin:
             output = call(*args, **kwargs)
         calls = state.schedule.call_ends()
         if not state.measured:
-            key = _call_key(state.last_method, args, kwargs)
+            key = functools.partial(_call_key, state.last_method, args, kwargs)
             _time_whole_call(state, key, calls, watch.seconds, untouched=untouched, tuned_before=tuned_before)
         state.schedule.arm_after(calls, descend=functools.partial(self._aitune_descend, state))
         return output
@@ -410,17 +410,18 @@ def _call_key(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str
 
 
 def _time_whole_call(
-    state: _AITuneState, key: str, calls: int, seconds: float, *, untouched: bool, tuned_before: bool
+    state: _AITuneState, key: Callable[[], str], calls: int, seconds: float, *, untouched: bool, tuned_before: bool
 ) -> None:
-    """Keep a whole call's seconds under its inputs (`key`) for the end-to-end line: as eager where no target was armed
+    """Keep a whole call's seconds under its inputs (`key()`, computed only for a call that is kept: the recording and
+    tuning calls in between pay nothing) for the end-to-end line: as eager where no target was armed
     or decided when it began (warm calls only: the first call, lazy initialisation and cold caches, is never compared
     with tuned ones), as tuned where every target was decided before and after it. The line compares calls of the same
     inputs only, those timed most on both sides; where no tuned call had the inputs of a warm eager one, it says so
     and claims no figure (nor a payback)."""
     if untouched and calls > 1:
-        state.eager_seconds.setdefault(key, []).append(seconds)
+        state.eager_seconds.setdefault(key(), []).append(seconds)
     elif tuned_before and state.registration.all_tuned and not untouched:
-        state.tuned_seconds.setdefault(key, []).append(seconds)
+        state.tuned_seconds.setdefault(key(), []).append(seconds)
     else:
         return
     if not state.eager_seconds or not state.tuned_seconds:
