@@ -8,8 +8,13 @@ of the same call, by what that output is.
 | classifier logits (an output with `logits`) | the share of rows whose argmax is eager's | >= 1.0 (every row) |
 | tokens (`generate()`: integer ids, or an output with `sequences`) | the share of tokens equal to eager's | >= 1.0 |
 
-`quality=` in `enable_aitune` / `TuningConfig` overrides a budget by metric name: `quality={"psnr": 40}`. A metric that
-does not apply to the output fails the check (reduced precision is then not used), naming what would apply.
+`quality=` in `enable_aitune` / `TuningConfig` overrides a budget by metric name: `quality={"psnr": 40}`. Names
+that are no metric are refused by `TuningConfig` (`core/config.py`); a metric that fits none of the outputs an object
+returns (PSNR on embeddings, tokens on images) is refused by `check_budget`, which the Hugging Face layer calls at
+`enable_aitune` where it knows what the object returns, else at its first whole call. `measure` keeps a safety net
+behind both: a budget with no metric for the output it is given fails the check (reduced precision is then not used),
+and the figure names the output kind (a later call may return another kind than the first: a pipeline called with
+`return_dict=False`).
 
 The gate sees one call; the budget is for every call. So the gate asks the call it replays for half the error the
 budget allows (`GATE_MARGIN`): 1 - cosine at most half of 1 - budget (0.995 for a budget of 0.99), PSNR 3 dB above
@@ -22,14 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from aitune_hf.errors import InputTypeError
+from aitune_hf.errors import ConfigError, InputTypeError
 
 #: metric -> (what it measures, default budget). Every figure is "higher is better" and passes at >= its budget.
 METRICS: dict[str, tuple[str, float]] = {
@@ -77,9 +82,15 @@ class QualityFigure:
         bound = f">= {need:g}" if need == self.budget else f">= {need:.4g}, for {self.budget:g} on every call"
         if self.metric == "psnr":
             value = "inf" if known and math.isinf(self.value) else f"{self.value:.1f}" if known else "n/a"
-            return f"PSNR {value} dB ({bound})"
+            return f"PSNR {value} dB ({bound})" + ("" if known else self._misfit())
         name = {"cosine": "min cosine", "argmax": "argmax agreement", "tokens": "tokens equal"}[self.metric]
-        return f"{name} {self.value:.4f} ({bound})" if known else f"{name} n/a ({bound})"
+        return f"{name} {self.value:.4f} ({bound})" if known else f"{name} n/a ({bound}){self._misfit()}"
+
+    def _misfit(self) -> str:
+        """Where the metric does not fit the output (`measure`'s safety net): what the output is measured by."""
+        if self.kind not in KIND_METRIC or KIND_METRIC[self.kind] == self.metric:
+            return ""
+        return f": {self.metric} does not apply to {self.kind}, measured by {KIND_METRIC[self.kind]!r}"
 
 
 def budget_for(kind: str, quality: Mapping[str, float] | None) -> tuple[str, float]:
@@ -89,6 +100,28 @@ def budget_for(kind: str, quality: Mapping[str, float] | None) -> tuple[str, flo
     if quality and metric in quality:
         budget = float(quality[metric])
     return metric, budget
+
+
+def check_budget(quality: Mapping[str, float] | None, kinds: Collection[str], owner: str) -> None:
+    """Refuse a budget that cannot apply: `ConfigError` when a metric of `quality` fits none of `kinds` (what `owner`,
+    e.g. "this SentenceTransformer", returns: "images", "embeddings", "logits", "tokens"), naming the kinds and the
+    metrics that fit them. Every metric must fit: a budget that would never be measured is a mistake, not a default.
+    None (no budget: the defaults per kind) always applies. `quality` holds known metric names (`TuningConfig`)."""
+    if not quality:
+        return
+    fitting = [KIND_METRIC[kind] for kind in KIND_METRIC if kind in kinds]
+    unfit = [metric for metric in quality if metric not in fitting]
+    if not unfit:
+        return
+    returns = " or ".join(kind for kind in KIND_METRIC if kind in kinds)
+    fits = ", ".join(f"{metric!r} ({METRICS[metric][0]}, default {METRICS[metric][1]:g})" for metric in fitting)
+    example = ", ".join(f"{metric!r}: {METRICS[metric][1]:g}" for metric in fitting)
+    kind_of = {metric: kind for kind, metric in KIND_METRIC.items()}
+    misfits = " and ".join(f"{metric!r} is for {kind_of[metric]}" for metric in unfit)
+    raise ConfigError(
+        f"quality={dict(quality)!r} cannot apply: {owner} returns {returns}, and {misfits}; metrics that fit: {fits}, "
+        f"e.g. quality={{{example}}} (or no quality= for the defaults)"
+    )
 
 
 def output_kind(output: Any) -> str:

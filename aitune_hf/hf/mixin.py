@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 
 from aitune_hf.backends.base import Backend, backend_names, default_backend_names
 from aitune_hf.core.config import TuningConfig
+from aitune_hf.core.quality import check_budget, output_kind
 from aitune_hf.core.registration import Registration, register
 from aitune_hf.core.strategy import Strategy
 from aitune_hf.core.target import TargetState
@@ -31,6 +32,7 @@ from aitune_hf.core.timing import Stopwatch
 from aitune_hf.errors import ConfigError, InputTypeError, UsageError
 from aitune_hf.hf import copies
 from aitune_hf.hf.hooks import install_slot_locators, weight_motion
+from aitune_hf.hf.outputs import generates, output_kinds
 from aitune_hf.hf.schedule import Schedule
 from aitune_hf.hf.targets import FoundTarget, TargetSelection, as_modules, find_targets
 
@@ -61,6 +63,9 @@ class _AITuneState:
     #: The boundary the latest whole call came through ("__call__", "encode", "generate", "decode"): what
     #: `measure_aitune()` times by default (a SentenceTransformer is used through encode(), not __call__).
     last_method: str = "__call__"
+    #: The kinds of output its whole calls return (`hf/outputs.py`); None until the first whole call where the object
+    #: does not say: that call's output is checked against the quality budget, and its kind kept here.
+    kinds: frozenset[str] | None = None
 
     @property
     def calls(self) -> int:
@@ -101,7 +106,10 @@ class AITuneMixin:
         in the call after.
 
         Raises (before anything is registered or patched):
-            ConfigError: a bad `tune_after_calls`, `component_backends` or `TuningConfig` field.
+            ConfigError: a bad `tune_after_calls`, `component_backends` or `TuningConfig` field; a `quality` budget
+                whose metric does not fit what this object returns (PSNR on embeddings; `hf/outputs.py`). Where the
+                object does not say what it returns, the first whole call checks its output and raises this instead,
+                with aitune disabled (every forward restored) before any tuning.
             UserInputError / InputTypeError: `targets` that do not resolve / of the wrong type.
             UsageError: aitune is already enabled here.
         """
@@ -110,6 +118,9 @@ class AITuneMixin:
             raise UsageError("aitune is already enabled here; call disable_aitune() first to change its settings")
         component_backends = _check_arguments(targets, tune_after_calls, component_backends)
         tuning_config = _tuning_config(config, backends, strategy, config_fields)
+        kinds = output_kinds(self)
+        if kinds is not None:
+            check_budget(tuning_config.quality, kinds, f"this {type(self).__name__}")
         auto = targets == "auto"
         found, registration = _register(
             self, targets, tuning_config, auto_backends=component_backends if auto else None
@@ -124,7 +135,7 @@ class AITuneMixin:
             **config_fields,
         )
         schedule = Schedule(registration, type(self).__name__, tune_after_calls, auto)
-        self.__dict__["_aitune_state"] = _AITuneState(registration, options, found, schedule)
+        self.__dict__["_aitune_state"] = _AITuneState(registration, options, found, schedule, kinds=kinds)
         _forget(self)
         registration.observe_calls(schedule.observe)
         logger.info("aitune enabled on %s: %d target(s)", type(self).__name__, len(found))
@@ -205,12 +216,27 @@ class AITuneMixin:
         state.schedule.call_starts(call, args, kwargs)
         with Stopwatch() as watch:
             output = call(*args, **kwargs)
+        if state.kinds is None:
+            self._aitune_check_output(state, output)
         calls = state.schedule.call_ends()
         if not state.measured:
             key = functools.partial(_call_key, state.last_method, args, kwargs)
             _time_whole_call(state, key, calls, watch.seconds, untouched=untouched, tuned_before=tuned_before)
         state.schedule.arm_after(calls, descend=functools.partial(self._aitune_descend, state))
         return output
+
+    def _aitune_check_output(self, state: _AITuneState, output: Any) -> None:
+        """The first whole call of an object that did not say what it returns: its output's kind is kept, and a quality
+        budget that does not fit it is a `ConfigError`, raised with aitune disabled (every forward restored), before
+        the schedule arms or gates anything."""
+        kind = output_kind(output)
+        try:
+            check_budget(state.registration.config.quality, {kind}, f"the first {state.last_method}() of this "
+                         f"{type(self).__name__}")  # fmt: skip
+        except ConfigError as error:
+            self.disable_aitune()
+            raise ConfigError(f"{error}; aitune is disabled here, every forward restored") from None
+        state.kinds = frozenset({kind})
 
     def _aitune_descend(self, state: _AITuneState) -> None:
         """Auto mode, once every component is decided (the schedule calls it): replace each component that stayed
@@ -309,15 +335,6 @@ def _last(obj: Any) -> Registration | None:
 _GENERATIVE_BACKENDS = frozenset({"inductor"})
 
 
-def _generates(module: Any) -> bool:
-    """True for a Transformers model that generates (its forward runs once per generated token)."""
-    can_generate = getattr(module, "can_generate", None)
-    try:
-        return bool(callable(can_generate) and can_generate())
-    except Exception:  # a model whose can_generate() needs more set-up than it has
-        return False
-
-
 def _check_arguments(targets: Any, tune_after_calls: Any, component_backends: Any) -> tuple[str, ...]:
     """Check `enable_aitune`'s own arguments (the config's fields are checked by `TuningConfig`); returns
     `component_backends` as a tuple."""
@@ -370,7 +387,7 @@ def _register(
     try:
         _apply_weight_motion(registration, found)
         for component in found if auto_backends is not None else ():
-            allowed = set(auto_backends) | (_GENERATIVE_BACKENDS if _generates(component.module) else set())
+            allowed = set(auto_backends) | (_GENERATIVE_BACKENDS if generates(component.module) else set())
             reason = f"auto mode tries whole components with {', '.join(sorted(allowed))} only"
             registration.targets[component.name].restrict(
                 lambda backend, allowed=allowed: backend.name in allowed, reason
