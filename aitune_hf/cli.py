@@ -343,6 +343,7 @@ def _check_writable(path: str | Path | None) -> None:
 
 
 def _write_json(report: Any, facts: dict[str, Any], path: str | Path) -> Path:
+    """The report's JSON with the run's facts after it (their names are none of `TuningReport.KEYS`)."""
     data = json.loads(report.to_json())
     data.update(facts)
     target = Path(path)
@@ -485,8 +486,6 @@ def cmd_cache(args: argparse.Namespace, out: Any) -> int:
 # Reading a saved report
 # --------------------------------------------------------------------------------------------------------------
 
-_REPORT_KEYS = ("modules", "end_to_end", "tuning_seconds", "descended", "cache")
-
 
 def format_report(data: dict[str, Any]) -> str:
     """A saved report as text: the run's own facts (if any), then the table that `str(TuningReport)` prints."""
@@ -496,7 +495,7 @@ def format_report(data: dict[str, Any]) -> str:
         raise UserInputError(str(error)) from None
     lines = []
     line = ""
-    for item in (f"{k}: {_fact(v)}" for k, v in data.items() if k not in _REPORT_KEYS):
+    for item in (f"{k}: {_fact(v)}" for k, v in data.items() if k not in TuningReport.KEYS):
         if line and len(line) + 2 + len(item) > 120:
             lines.append(line)
             line = ""
@@ -511,10 +510,14 @@ def format_report(data: dict[str, Any]) -> str:
 
 
 def _fact(value: Any) -> str:
+    """One fact of a saved report as text: numbers short, lists joined, objects as `key value` pairs (never a raw
+    dict)."""
     if isinstance(value, float):
         return f"{value:.3g}"
     if isinstance(value, list):
-        return ",".join(map(str, value))
+        return ",".join(map(_fact, value))
+    if isinstance(value, dict):
+        return "(" + ", ".join(f"{key} {_fact(item)}" for key, item in value.items()) + ")"
     return str(value)
 
 

@@ -117,7 +117,7 @@ class SessionResult:
             "max_abs_diff": self.max_abs_diff,
             "atol": self.atol,
             "passed": self.passed,
-            "quality": self.quality,
+            "check_quality": self.quality,  # the check's figure; "quality" is the report's own (the gate's)
         }
 
 

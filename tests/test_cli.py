@@ -15,10 +15,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 pytest.importorskip("onnxruntime")
 
-from aitune_hf import testing  # noqa: E402
+from aitune_hf import hardware, testing  # noqa: E402
 from aitune_hf.cli import main  # noqa: E402
 
 QUICK = ["--repeats", "3", "--warmup", "1", "--rounds", "2", "--no-progress"]
+_INT8_REASON = hardware.cpu_int8_reason()
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +110,41 @@ def test_report_round_trips_the_table(demo, capsys: pytest.CaptureFixture[str]) 
     _, _, path, _ = demo
     data = json.loads(path.read_text())
     rebuilt = json.loads(TuningReport.from_dict(data).to_json())
-    assert {"end_to_end", "tuning_seconds", "modules", "descended"} <= set(rebuilt)
+    assert tuple(rebuilt) == TuningReport.KEYS  # what readers of a saved report take as the report's, not facts
     assert rebuilt == {k: data[k] for k in rebuilt}  # every field of the report, whatever the report holds
+
+
+def test_the_demo_json_keeps_the_report_keys_and_its_facts_apart(demo) -> None:
+    """The run's facts are written beside the report's keys, never over them: the session's check figure is
+    `check_quality`, the report's own `quality` (the gate's, or null in fp32) stays."""
+    from aitune_hf import TuningReport
+
+    data = json.loads(demo[2].read_text())
+    assert set(TuningReport.KEYS) <= set(data) and data["quality"] is None and "check_quality" in data
+
+
+@pytest.mark.skipif(_INT8_REASON is not None, reason=str(_INT8_REASON))
+def test_report_of_a_to_json_with_a_quality_figure_prints_no_raw_dict(tmp_path: Path, capsys) -> None:
+    """A real report with an end-to-end quality figure (int8 blocks of a tiny BERT, gated), saved by
+    `report.to_json()`: `aitune-hf report` prints the figure once, formatted, and no line holds a dict's repr."""
+    from aitune_hf import enable_aitune
+
+    model = testing.load_family("bert", testing.build_family("bert", tmp_path / "bert"))
+    inputs = testing.family_inputs("bert")
+    registration = enable_aitune(model, "blocks", progress=False, warmup=1, repeats=3, precision=["int8"],
+                                 backends=["onnxruntime"], min_speedup=0, cache="off")  # fmt: skip
+    for _ in range(3):  # records, tunes (and gates), served
+        testing.call_family("bert", model, inputs)
+    report = registration.report()
+    model.disable_aitune()
+    assert report.quality is not None and report.quality["metric"] == "cosine", str(report)
+    path = tmp_path / "saved.json"
+    report.to_json(path)
+    assert main(["report", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert not [line for line in lines if re.search(r"\{'|\{\"|': ", line)], "\n".join(lines)
+    shown = [line for line in lines if line.startswith("quality: ") or "; quality: " in line]
+    assert len(shown) == 1 and "min cosine" in shown[0] and "against fp32 eager" in shown[0], "\n".join(lines)
 
 
 @pytest.mark.parametrize(

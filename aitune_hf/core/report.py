@@ -187,6 +187,10 @@ class TuningReport:
     #: demoted (the blocks it sent back to fp32), replays; None when no reduced-precision decision was gated.
     quality: dict[str, Any] | None = None
 
+    #: The keys of `to_dict()`, which `from_dict` reads back; anything else in a saved report is its writer's own facts
+    #: (the CLI's `demo --json` adds the run's), which readers print as such.
+    KEYS = ("end_to_end", "tuning_seconds", "modules", "descended", "cache", "quality")
+
     COLUMNS = (
         "target",
         "class",
