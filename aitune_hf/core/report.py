@@ -7,6 +7,7 @@ import html
 import io
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -375,12 +376,19 @@ class TuningReport:
         return {"tuning_s": self.tuning_seconds, "saved_per_call_s": saved, "calls": calls}
 
     def __str__(self) -> str:
-        rows = [list(self.COLUMNS), *self.rows()]
-        # Every column but the last is capped; the note (last) is printed whole.
-        widths = [min(max(len(r[i]) for r in rows), 60) for i in range(len(self.COLUMNS) - 1)] + [0]
+        backend = self.COLUMNS.index("backend")
+        rows = [list(self.COLUMNS)]
+        for row in self.rows():
+            rows.append([*row[:backend], compact_backend(row[backend]), *row[backend + 1 :]])
+        # The backend and precision columns are never cut (every precision and kernel chosen stays readable: long
+        # backend texts are abbreviated, `compact_backend`); the others are capped, a cut one ends in "…"; the note
+        # (last) is printed whole.
+        whole = {backend, self.COLUMNS.index("precision")}
+        widths = [max(len(r[i]) for r in rows) if i in whole else min(max(len(r[i]) for r in rows), COLUMN_WIDTH)
+                  for i in range(len(self.COLUMNS) - 1)] + [0]  # fmt: skip
         lines = list(self.summary_lines())
         for index, row in enumerate(rows):
-            cells = [cell[:w].ljust(w) for cell, w in zip(row[:-1], widths, strict=False)] + [row[-1]]
+            cells = [_clip(cell, w).ljust(w) for cell, w in zip(row[:-1], widths, strict=False)] + [row[-1]]
             lines.append("  ".join(cells).rstrip())
             if index == 0:
                 lines.append("  ".join("-" * w for w in [*widths[:-1], len(self.COLUMNS[-1])]))
@@ -528,6 +536,34 @@ def _spread(bounds: Any) -> str:
     if not isinstance(bounds, list | tuple) or len(bounds) != 2 or not all(isinstance(b, int | float) for b in bounds):
         return ""
     return f", rounds {_x(bounds[0])}..{_x(bounds[1])}"
+
+
+#: The widest a table column is printed (but the backend, precision and note columns, which are never cut).
+COLUMN_WIDTH = 60
+#: Backend options shown by their value alone in `compact_backend` (the value names itself: "bf16", "int8", "fused").
+_VALUE_SAYS_IT = ("precision", "kernels")
+
+
+def compact_backend(text: str, width: int = COLUMN_WIDTH) -> str:
+    """The table's backend text, abbreviated where it is wider than `width`, never cut: in each backend of it
+    ("name(key=value, ...)", several joined by "+"), an option whose value names itself shows its value alone
+    ("precision=bf16" -> "bf16", "kernels=fused" -> "fused"), a flag set to True its key ("freezing=True" ->
+    "freezing"), and "onnxruntime" becomes "ort". Every option stays visible (int8 and fused kernels stay apart);
+    a text still wider is returned so, whole."""
+    if len(text) <= width:
+        return text
+    return "+".join(_compact_one(part) for part in text.split("+"))
+
+
+def _compact_one(backend: str) -> str:
+    match = re.fullmatch(r"(\w+)\((.*)\)", backend)
+    name, options = (match.group(1), match.group(2).split(", ")) if match else (backend, [])
+    name = "ort" if name == "onnxruntime" else name
+    shown = []
+    for option in options:
+        key, _, value = option.partition("=")
+        shown.append(value if key in _VALUE_SAYS_IT and value else key if value == "True" else option)
+    return f"{name}({', '.join(shown)})" if shown else name
 
 
 def _clip(text: str, width: int) -> str:
