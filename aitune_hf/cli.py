@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from aitune_hf.backends.base import default_backend_names
 from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.report import TuningReport
@@ -241,7 +243,8 @@ def _check_targets(obj: Any, text: str) -> str | list[str]:
 
 
 def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
-    config: dict[str, Any] = {"progress": not args.no_progress}
+    # The tuning bar redraws its line with carriage returns: drawn on a terminal only, never into a log or a pipe.
+    config: dict[str, Any] = {"progress": not args.no_progress and _is_terminal(sys.stderr)}
     for name in ("repeats", "warmup", "min_speedup", "strategy", "cache_dir", "cache"):
         value = getattr(args, name, None)
         if value is not None:
@@ -527,10 +530,22 @@ def _fact(value: Any) -> str:
 
 
 def _printer(out: Any) -> Callable[[str], None]:
+    """Print lines to `out`, each on a line of its own: an open progress bar (the tuning bar, on a terminal) is cleared
+    off its line first and drawn again below (`tqdm.external_write_mode`), never continued by the line."""
+    from tqdm import tqdm
+
     def say(text: str) -> None:
-        print(text, file=out, flush=True)
+        with tqdm.external_write_mode(file=out):
+            print(text, file=out, flush=True)
 
     return say
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def _first_line(error: BaseException) -> str:
@@ -631,7 +646,9 @@ def _add_tuning_options(parser: argparse.ArgumentParser, rounds: int) -> None:
     )
     parser.add_argument("--threads", type=_positive, default=1, help="torch.set_num_threads(N) (default 1)")
     parser.add_argument("--details", action="store_true", help="also print every candidate, with full error texts")
-    parser.add_argument("--no-progress", action="store_true", help="hide the tuning progress bar")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="hide the tuning progress bar (drawn only on a terminal)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -698,7 +715,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: Any = None, stderr: Any =
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     debug = args.debug or os.environ.get("AITUNE_HF_DEBUG") == "1"
     try:
-        with _process_settings():
+        with _process_settings(), logging_redirect_tqdm():  # log records print above an open bar, as lines do
             return args.func(args, out)
     except KeyboardInterrupt:
         print("aitune-hf: interrupted", file=err)

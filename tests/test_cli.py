@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
@@ -145,6 +146,77 @@ def test_report_of_a_to_json_with_a_quality_figure_prints_no_raw_dict(tmp_path: 
     assert not [line for line in lines if re.search(r"\{'|\{\"|': ", line)], "\n".join(lines)
     shown = [line for line in lines if line.startswith("quality: ") or "; quality: " in line]
     assert len(shown) == 1 and "min cosine" in shown[0] and "against fp32 eager" in shown[0], "\n".join(lines)
+
+
+class _Console(io.StringIO):
+    """stdout and stderr of one console: what a terminal, or a log of `aitune-hf ... 2>&1`, receives."""
+
+    def __init__(self, terminal: bool) -> None:
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+def _rendered(text: str) -> list[str]:
+    """The lines a terminal shows: each carriage return starts writing over its line from the left."""
+    lines = []
+    for raw in text.split("\n"):
+        shown = ""
+        for part in raw.split("\r"):
+            shown = part + shown[len(part) :]
+        lines.append(shown.rstrip())
+    return lines
+
+
+@pytest.fixture(scope="module")
+def libraries_loaded() -> None:
+    """Diffusers and Transformers imported before a test that runs the demo in its body: their first import adds
+    warnings filters (SciPy's, through Transformers' losses), which a test must not do."""
+    import transformers.modeling_utils  # noqa: F401
+    from diffusers import StableDiffusionPipeline  # noqa: F401
+
+
+def _demo_on(console: _Console, tmp_path: Path) -> tuple[int, str]:
+    """A tiny demo with the tuning bar left to its default, whose stdout and stderr go to `console`. One target is idle
+    (a VAE encoder stage: text-to-image never encodes), so the bar stops short of its total, as in issue 32."""
+    argv = ["demo", "--family", "sd", "--size", "tiny", "--backends", "onnxruntime", "--repeats", "3", "--warmup", "1"]
+    argv += ["--rounds", "1", "--cache-dir", str(tmp_path / "cache")]
+    argv += ["--targets", "unet.mid_block,vae.encoder.mid_block"]
+    threads = torch.get_num_threads()
+    try:
+        with contextlib.redirect_stderr(console):
+            code = main(argv, stdout=console, stderr=console)
+    finally:
+        torch.set_num_threads(threads)
+    return code, console.getvalue()
+
+
+def test_progress_ends_its_line_before_anything_else_prints(tmp_path: Path, libraries_loaded) -> None:
+    """On a terminal the tuning bar is drawn, stops at 1/2 (the idle target never tunes), and every line printed
+    meanwhile starts on a line of its own: no message continues a bar's line, none is pushed right by a cleared bar."""
+    code, text = _demo_on(_Console(terminal=True), tmp_path)
+    assert code == 0, text
+    assert "aitune_hf tuning" in text and "1/2" in text  # the bar was drawn, and left short of its total
+    lines = _rendered(text)
+    glued = [line for line in lines if "aitune_hf tuning" in line and not line.startswith("aitune_hf tuning")]
+    assert not glued, "\n".join(glued)
+    bars = [line for line in lines if line.startswith("aitune_hf tuning")]
+    assert all("target" in line.split("]")[-1] or line.endswith("]") for line in bars), bars  # nothing after a bar
+    for message in ("tuned call (fixed seed): ", "check: tuned output", "demo took "):
+        assert any(line.startswith(message) for line in lines), f"{message!r} does not start a line:\n{text}"
+    assert not [line for line in lines if line.startswith("   ") and not line.startswith("  · ")]
+
+
+def test_a_log_gets_no_bar_and_no_blank_runs(tmp_path: Path, libraries_loaded) -> None:
+    """Where stdout and stderr are a file or a pipe (a log), no bar is drawn: no carriage returns, no line of blanks,
+    and every line of the run starts where it should."""
+    code, text = _demo_on(_Console(terminal=False), tmp_path)
+    assert code == 0, text
+    assert "\r" not in text and "aitune_hf tuning" not in text
+    assert not re.search(r"^ {4,}|\s{8,}$", text, flags=re.M), text
+    assert text.splitlines()[-1].startswith("demo took ")
 
 
 @pytest.mark.parametrize(
