@@ -8,6 +8,10 @@ Left panel: one pair of horizontal bars per target, eager ms and tuned ms of the
 speed-up and the chosen backend; targets that kept eager are hatched and say why. Right panel: the measured
 end-to-end latency of whole calls, eager against tuned, or "not measured".
 
+Everything stays inside the figure: a long target name is wrapped at its dots (its input signature on a line of its
+own), never cut; the figure grows with the lines; the annotations are kept out of the layout and the x-axis is
+widened until each ends inside its panel (a long backend is abbreviated as in the table: `compact_backend`).
+
 matplotlib is imported inside the functions: ``import aitune_hf.plotting`` works without it.
 """
 
@@ -21,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aitune_hf.core.report import register_plotter
+from aitune_hf.core.report import compact_backend, register_plotter
 from aitune_hf.errors import InputTypeError, MissingExtraError
 
 if TYPE_CHECKING:
@@ -38,6 +42,10 @@ KEPT_COLOR = "#d9d9d9"
 E2E_TUNED_COLOR = "#2e9e57"
 #: Above this ratio between the largest and smallest bar, the per-target panel uses a log scale.
 LOG_SCALE_RATIO = 30.0
+#: The longest line of a target's label: longer names wrap at their dots (`_label`).
+LABEL_WIDTH = 40
+#: The widest backend text in an annotation before it is abbreviated (`compact_backend`).
+NOTE_BACKEND_WIDTH = 32
 
 _INSTALL_HINT = "TuningReport.plot() needs matplotlib: pip install matplotlib (or aitune-hf[notebooks])"
 
@@ -83,7 +91,8 @@ def plot_report(
 
     rows, skipped = _rows(report)
     if ax is None:
-        height = max(3.2, 0.5 * len(rows) + 1.8)
+        lines = sum(_label(row.name).count("\n") + 1 for row in rows)
+        height = max(3.2, 0.25 * len(rows) + 0.27 * lines + 1.8)
         fig = figure_class(figsize=figsize or (12.0, height), layout="constrained")
         targets_ax, e2e_ax = fig.subplots(1, 2, width_ratios=[3.2, 1])
     elif _is_axes(ax):
@@ -105,7 +114,45 @@ def plot_report(
         _draw_end_to_end(e2e_ax, report.end_to_end)
     if title is not None or ax is None:  # a figure of the caller's keeps its own title unless one is given
         fig.suptitle(title if title is not None else _default_title(report), fontsize=12)
+    if rows:
+        _fit_notes(targets_ax, targets_ax.get_xscale() == "log")
     return fig
+
+
+def _label(name: str) -> str:
+    """A target's tick label: as it is up to `LABEL_WIDTH` characters, else wrapped at the dots of its path (each line
+    but the last ends in its dot) with the input signature (after " · ") on a line of its own; never cut."""
+    if len(name) <= LABEL_WIDTH:
+        return name
+    path, sep, signature = name.partition(" · ")
+    lines, line = [], ""
+    for part in path.split("."):
+        joined = f"{line}.{part}" if line else part
+        if line and len(joined) + 1 > LABEL_WIDTH:  # + the dot that ends a broken line
+            lines.append(f"{line}.")
+            line = part
+        else:
+            line = joined
+    lines.append(line)
+    if sep:
+        lines.append(f"· {signature}")
+    return "\n".join(lines)
+
+
+def _fit_notes(ax: Axes, log_scale: bool) -> None:
+    """Widen the x-axis of the per-target panel until every annotation ends inside it. The annotations are out of the
+    layout (`in_layout=False`), so the figure is laid out first and their widths measured in pixels: a note that
+    starts at x and is w pixels wide ends inside an axes W pixels wide when the axis spans (x - left) * W / (W - w)."""
+    ax.figure.draw_without_rendering()
+    width = ax.get_window_extent().width
+    left, right = ax.get_xlim()
+    scale = math.log10 if log_scale else float
+    span = scale(right) - scale(left)
+    for note in ax.texts:
+        room = width - note.get_window_extent().width - 4.0  # a few pixels from the frame
+        if room > 0:
+            span = max(span, (scale(note.get_position()[0]) - scale(left)) * width / room)
+    ax.set_xlim(left, 10 ** (math.log10(left) + span) if log_scale else left + span)
 
 
 @functools.cache
@@ -188,7 +235,7 @@ def _note(module: ModuleReport) -> str:
 def _text(state: str, ratio: float | None, backend: str, why: str | None) -> str:
     speedup = f"{ratio:.2f}x" if ratio is not None else "-"
     if state == "tuned":
-        return f"{speedup}  {backend}"
+        return f"{speedup}  {compact_backend(backend, NOTE_BACKEND_WIDTH)}"
     if state == "eager":
         reason = (why or "").split(";")[0].strip()
         if len(reason) > 48:
@@ -229,7 +276,7 @@ def _draw_targets(ax: Axes, rows: list[_Row], skipped: int, log_scale: bool | No
         linewidth=0.6,
         label="tuned",
     )
-    ax.set_yticks(positions, [row.name for row in rows], fontsize=9)
+    ax.set_yticks(positions, [_label(row.name) for row in rows], fontsize=9)
     ax.invert_yaxis()  # report order, top to bottom
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
@@ -246,7 +293,8 @@ def _draw_targets(ax: Axes, rows: list[_Row], skipped: int, log_scale: bool | No
         x = end * 1.12 if log_scale else end + largest * 0.015
         color = "#1d5a8a" if row.state == "tuned" else "#555555"
         weight = "bold" if row.state == "tuned" else "normal"
-        ax.text(x, position, row.note, va="center", ha="left", fontsize=8.5, color=color, fontweight=weight)
+        note = ax.text(x, position, row.note, va="center", ha="left", fontsize=8.5, color=color, fontweight=weight)
+        note.set_in_layout(False)  # placed by `_fit_notes`, not by squeezing the panel
 
     from matplotlib.patches import Patch
 

@@ -66,11 +66,11 @@ def test_hand_made_report_draws_one_bar_pair_per_timed_target(tmp_path) -> None:
     targets_ax, e2e_ax = fig.axes
 
     layer = "text_encoder.encoder.layers.0"  # a bar pair per input signature: each has its own story
-    timed = [
+    timed = [  # a label longer than 40 characters puts the signature on a line of its own
         "unet.down_blocks.0",
         "unet.mid_block",
-        f"{layer} · float32[1x7x32]@cpu",
-        f"{layer} · float32[32x7x32]@cpu",
+        f"{layer}\n· float32[1x7x32]@cpu",
+        f"{layer}\n· float32[32x7x32]@cpu",
     ]
     bars = _bars(targets_ax)
     assert set(bars) == {"eager", "tuned"}
@@ -222,3 +222,53 @@ def test_no_pyplot_no_global_backend() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def _long_names_report(count: int) -> TuningReport:
+    """Blocks with long dotted names, half of them met at two batch sizes, chosen backends with long options."""
+    bf16, int8 = "inductor(freezing=True, precision=bf16)", "onnxruntime(precision=int8)"
+    modules = {}
+    for i in range(count):
+        name = f"transformer.single_transformer_blocks.{i}.attn.to_out.very_long_projection_name.lora_A.default"
+        signatures = [_signature(0.004, bf16, 0.002, "float32[1x4096x3072]@cpu, float32[1x1x4096]@cpu")]
+        if i % 2:
+            signatures.append(_signature(0.008, int8, 0.003, "float32[32x4096x3072]@cpu"))
+        for signature in signatures:
+            signature["candidates"][0]["backend"] = signature["chosen"]
+        modules[name] = {"name": name, "module_class": "FluxSingleTransformerBlock", "state": "tuned",
+                         "signatures": signatures}  # fmt: skip
+    end_to_end = {"eager_s": 0.9, "tuned_s": 0.6, "speedup": 1.5, "method": "whole calls of the same inputs"}
+    return TuningReport.from_dict({"modules": modules, "tuning_seconds": 3.0, "end_to_end": end_to_end})
+
+
+@pytest.mark.parametrize("count", [2, 12])
+def test_long_block_names_fit_the_figure_and_notes_their_panel(count: int) -> None:
+    """Rendered with Agg: every tick label lies inside the figure, wrapped at its dots (no word cut), every
+    annotation inside the per-target panel, and the figure grows with the number of blocks."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    report = _long_names_report(count)
+    fig = report.plot()
+    FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    figure_box = fig.bbox
+    targets_ax, e2e_ax = fig.axes
+    labels = targets_ax.get_yticklabels()
+    assert len(labels) == count + count // 2
+    for label in labels:
+        box = label.get_window_extent(renderer)
+        assert figure_box.x0 <= box.x0 and box.x1 <= figure_box.x1, (label.get_text(), box, figure_box)
+        assert figure_box.y0 <= box.y0 and box.y1 <= figure_box.y1, (label.get_text(), box, figure_box)
+        assert all(len(line) <= 40 for line in label.get_text().splitlines())
+        assert label.get_text().split("\n")[0].startswith("transformer.single_transformer_blocks.")  # cut at dots
+    panel = targets_ax.get_window_extent(renderer)
+    assert panel.width >= 0.35 * figure_box.width  # labels and notes did not squeeze the bars to a sliver
+    for note in targets_ax.texts:
+        box = note.get_window_extent(renderer)
+        assert panel.x0 <= box.x0 and box.x1 <= panel.x1, (note.get_text(), box, panel)
+    backends = {note.get_text().split("  ")[1] for note in targets_ax.texts}  # long ones abbreviated as in the table
+    assert backends == {"inductor(freezing, bf16)", "onnxruntime(precision=int8)"}
+    title = e2e_ax.title.get_window_extent(renderer)
+    assert figure_box.x0 <= title.x0 and title.x1 <= figure_box.x1
+    assert fig.get_size_inches()[1] >= 0.7 * len(labels)  # about two lines of labels a bar pair
