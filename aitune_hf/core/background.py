@@ -33,11 +33,13 @@ takes; a candidate whose lead is within the noise is not chosen over eager (`min
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -64,18 +66,40 @@ def _yielding_hook() -> Callable[[Any, str, Any], None]:
     return hook
 
 
+#: Checks of whole calls (`submit_check`) queued at most; beyond, a new one is dropped (its shapes are deferred again
+#: by a later call): a service meeting new shapes faster than they are checked keeps serving eager, never queues more.
+MAX_CHECKS = 8
+
+
+@dataclass(eq=False)
+class _Job:
+    """One piece of work for the worker: a target's tuning, or a check of a whole call (`hf/gate.py`)."""
+
+    name: str
+    run: Callable[[], None]
+    key: Any  # queued at most once per key (a target; a check's key, or the job itself)
+    tuning: bool
+    dropped: Callable[[], None] | None = None  # what a check that never ran undoes
+
+
 class BackgroundTuner:
-    """The queue of targets waiting to tune, and the worker thread that tunes them."""
+    """The queue of work off the callers' threads (targets waiting to tune, checks of whole calls), and the worker
+    thread that runs it, one job at a time."""
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: collections.deque[Target] = collections.deque()
+        self._queue: collections.deque[_Job] = collections.deque()
         self._condition = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._running: Target | None = None
+        self._running: _Job | None = None
         self._stopped = False
         self._afresh = False
         self.tuned = 0  # targets tuned here so far
+
+    @property
+    def thread_name(self) -> str:
+        """The worker thread's name (in log records' `threadName`)."""
+        return f"aitune_hf worker ({self._name})"
 
     @property
     def afresh(self) -> bool:
@@ -91,15 +115,33 @@ class BackgroundTuner:
             self._condition.notify_all()
 
     def submit(self, target: Target) -> None:
-        """Queue `target` (once) and make sure the worker runs; returns at once."""
+        """Queue `target`'s tuning (once) and make sure the worker runs; returns at once."""
+        self._submit(_Job(target.name, functools.partial(target.tune_in_background, self), target, tuning=True))
+
+    def submit_check(self, name: str, run: Callable[[], None], dropped: Callable[[], None], key: Any = None) -> bool:
+        """Queue a check of a whole call (`run`), once per `key` (None: always), unless `MAX_CHECKS` wait already:
+        then `dropped()` runs here and False is returned."""
+        job = _Job(name, run, key if key is not None else object(), tuning=False, dropped=dropped)
         with self._condition:
-            if self._stopped or target is self._running or target in self._queue:
-                return
-            self._queue.append(target)
+            full = sum(not queued.tuning for queued in self._queue) >= MAX_CHECKS
+        if full or not self._submit(job):
+            dropped()
+            return False
+        return True
+
+    def _submit(self, job: _Job) -> bool:
+        with self._condition:
+            running = self._running
+            if self._stopped or (running is not None and running.key is job.key):
+                return False
+            if any(queued.key is job.key for queued in self._queue):
+                return False
+            self._queue.append(job)
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._work, name=f"aitune_hf tuning ({self._name})", daemon=True)
+                self._thread = threading.Thread(target=self._work, name=self.thread_name, daemon=True)
                 self._thread.start()
             self._condition.notify_all()
+            return True
 
     @property
     def pending(self) -> int:
@@ -109,9 +151,11 @@ class BackgroundTuner:
 
     def status(self) -> dict[str, Any]:
         with self._condition:
+            running = self._running
             return {
-                "pending": len(self._queue) + (self._running is not None),
-                "tuning": self._running.name if self._running is not None else None,
+                "pending": len(self._queue) + (running is not None),
+                "tuning": running.name if running is not None and running.tuning else None,
+                "checks": sum(not job.tuning for job in self._queue) + (running is not None and not running.tuning),
                 "afresh": self.afresh,
                 "tuned": self.tuned,
             }
@@ -131,8 +175,11 @@ class BackgroundTuner:
         """Forget what is queued; the worker ends after the tuning it runs (if any)."""
         with self._condition:
             self._stopped = True
+            dropped = [job.dropped for job in self._queue if job.dropped is not None]
             self._queue.clear()
             self._condition.notify_all()
+        for undo in dropped:
+            undo()
 
     def _work(self) -> None:
         while True:
@@ -141,16 +188,16 @@ class BackgroundTuner:
                 if self._stopped or not self._queue:  # stopped, or idle a while: a later submit starts another
                     self._thread = None
                     return
-                target = self._running = self._queue.popleft()
+                job = self._running = self._queue.popleft()
             sys.setprofile(_yielding_hook())  # this thread only
             try:
-                target.tune_in_background(self)
+                job.run()
             except BaseException:  # contained in the target already; never let the worker die silently
-                logger.exception("aitune_hf: background tuning of %s failed", target.name)
+                logger.exception("aitune_hf: background %s of %s failed", "tuning" if job.tuning else "check", job.name)
             finally:
                 sys.setprofile(None)
                 with self._condition:
                     self._running = None
                     self.afresh = False
-                    self.tuned += 1
+                    self.tuned += job.tuning
                     self._condition.notify_all()

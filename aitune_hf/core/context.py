@@ -16,6 +16,34 @@ from aitune_hf.core.decisions import Decision
 from aitune_hf.core.strategy import KindEvidence, Strategy
 
 
+@dataclass(eq=False)
+class CallNotes:
+    """What the targets note about one whole call in one thread (`Registration.noting`); the Hugging Face layer
+    reads them at the call's end to gate it, or to check its new shapes off the caller's thread (`hf/gate.py`).
+
+    Attributes:
+        defer: a call of a new shape that a family route covers runs eager and is not checked in the call: it is
+            listed in `deferred` (each shape once: `Target.release` lets it be deferred again), for a replay of the
+            whole call to check off the caller's thread.
+        replay: a replay of a whole call off the caller's thread (checking its new shapes, or gating): nothing is
+            recorded or tuned in it (a block it meets armed runs eager, and tunes in a caller's call).
+        gating: the end-to-end gate's replay: decisions waiting for the gate serve.
+        deferred: (target, signature) of each new shape left unchecked.
+        met: (target, route) of each route waiting for the gate that the call met (served by its fallback, or by
+            itself in the gate's replay).
+    """
+
+    defer: bool = False
+    replay: bool = False
+    gating: bool = False
+    deferred: list[tuple[Any, Any]] = field(default_factory=list)
+    met: list[tuple[Any, Any]] = field(default_factory=list)
+
+    def meet(self, target: Any, route: Any) -> None:
+        if not any(r is route for _, r in self.met):
+            self.met.append((target, route))
+
+
 class Progress:
     """One tqdm bar over the targets that tune in a burst; opened by the first, closed when none is pending."""
 
@@ -77,8 +105,8 @@ class TuningContext:
     #: True when a reduced-precision decision waits for the end-to-end gate (`Registration.gate`) before it serves
     #: (the fp32 candidate it falls back to serves meanwhile); False: the per-block filter suffices.
     gate_required: bool = False
-    #: True inside `Registration.gate`'s replays in this thread: decisions waiting for the gate serve.
-    gating: Callable[[], bool] = lambda: False
+    #: This thread's notes on the whole call it makes (`Registration.noting`), or None outside one.
+    notes: Callable[[], CallNotes | None] = lambda: None
     #: The background tuner (`TuningConfig.background`), or None: targets then tune inside the calls that arm them.
     background: BackgroundTuner | None = None
     #: What the first blocks of each kind showed about slow builds (`MinLatency(prune_slow_after=...)`).

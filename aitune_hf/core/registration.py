@@ -17,7 +17,7 @@ from aitune_hf.backends.base import Backend
 from aitune_hf.core.background import BackgroundTuner
 from aitune_hf.core.cache import TuningCache, open_cache
 from aitune_hf.core.config import TuningConfig
-from aitune_hf.core.context import Progress, TuningContext
+from aitune_hf.core.context import CallNotes, Progress, TuningContext
 from aitune_hf.core.precision import with_precisions
 from aitune_hf.core.quality import QualityFigure, measure
 from aitune_hf.core.report import ModuleReport, TuningReport
@@ -139,8 +139,12 @@ class Registration:
             cache=cache,
             skipped=skipped,
             background=BackgroundTuner(", ".join(list(modules)[:2])) if config.background else None,
-            gating=lambda: getattr(self._local, "gating", False),
+            notes=lambda: getattr(self._local, "notes", None),
         )
+        #: The worker of checks deferred off the callers' threads in the foreground (`worker`); made on first use.
+        self._checker: BackgroundTuner | None = None
+        self._checker_lock = threading.Lock()
+        self._gate_lock = threading.Lock()  # one end-to-end gate at a time: each judges what its replay met
         #: The latest end-to-end quality gate (`gate`): what the report shows beside the speed-up.
         self.quality: dict[str, Any] | None = None
         self._targets = {name: Target(name, module, self._context) for name, module in modules.items()}
@@ -344,16 +348,48 @@ class Registration:
         return self._context.background
 
     @property
-    def may_gate_new_shapes(self) -> bool:
-        """True when a reduced-precision decision may meet a new shape, which waits for the gate of its call."""
-        return self._context.gate_required and any(t.covers_new_shapes_reduced() for t in self._targets.values())
+    def worker(self) -> BackgroundTuner:
+        """The thread that works off the callers' threads: the background tuner (`background`), or in the foreground
+        one made on first use, that replays whole calls to check their new shapes and to gate them (`hf/gate.py`)."""
+        if self._context.background is not None:
+            return self._context.background
+        with self._checker_lock:
+            if self._checker is None:
+                self._checker = BackgroundTuner(", ".join(list(self._modules)[:2]))
+            return self._checker
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the work off the callers' threads is done (background tunings, deferred checks of new shapes
+        and their gates): True, or False when `timeout` seconds passed first."""
+        workers = [w for w in (self._context.background, self._checker) if w is not None]
+        return all(worker.wait(timeout) for worker in workers)
+
+    @contextlib.contextmanager
+    def noting(self, defer: bool = False, replay: bool = False, gating: bool = False) -> Iterator[CallNotes]:
+        """Note what this thread's calls meet inside the block (`CallNotes`: new shapes deferred with `defer`, routes
+        waiting for the gate); `replay`: a replay of a whole call that checks its new shapes, and records and tunes
+        nothing; `gating`: the gate's replay, where decisions waiting for the gate serve (a block the gate sent back
+        to fp32 with no fp32 build to serve tunes again in it, as in any call)."""
+        notes = CallNotes(defer=defer, replay=replay, gating=gating)
+        prior = getattr(self._local, "notes", None)
+        self._local.notes = notes
+        try:
+            yield notes
+        finally:
+            self._local.notes = prior
+
+    @property
+    def may_defer_new_shapes(self) -> bool:
+        """True when the gate is required and a family route may meet a new shape: a whole call then keeps a copy of
+        its inputs, so that the checks of its new shapes (and their gate) can run off the caller's thread."""
+        return self._context.gate_required and any(t.covers_new_shapes for t in self._targets.values())
 
     @property
     def waiting_for_gate(self) -> bool:
         """True while a reduced-precision decision waits for the end-to-end gate."""
         return any(target.provisional() for target in self._targets.values())
 
-    def gate(self, reference: Any, replay: Callable[[], Any]) -> QualityFigure | None:
+    def gate(self, reference: Any, replay: Callable[[], Any], tunes: bool = True) -> QualityFigure | None:
         """The end-to-end quality gate of reduced precision.
 
         `reference` is a whole call's fp32 eager output; `replay()` makes the same call again. The call is replayed
@@ -361,20 +397,25 @@ class Registration:
         under `config.quality`, with the margin for calls the gate never sees (`core/quality.py`, `GATE_MARGIN`).
         While it fails, the waiting decision with the largest per-block error goes back to its fp32 fallback (or
         eager) and the call is replayed again; once it passes, the rest serve. Returns the last figure (None when
-        nothing was waiting), kept in `quality` for the report.
+        nothing was waiting), kept in `quality` for the report. A block sent back with no fp32 build to serve tunes
+        again in the next replay; with `tunes=False` (a gate off the callers' threads) it runs eager there, and tunes
+        in a caller's next call of it.
         """
-        waiting = [(t, r) for t in self._targets.values() for r in t.provisional()]
-        if not waiting:
-            return None
+        with self._gate_lock:
+            return self._gate(reference, replay, tunes)
+
+    def _gate(self, reference: Any, replay: Callable[[], Any], tunes: bool) -> QualityFigure | None:
+        waiting: list[tuple[Target, Any]] | None = None
         demoted: list[str] = []
         replays = 0
         while True:
-            self._local.gating = True
-            try:
+            with self.noting(gating=True, replay=not tunes) as notes:
                 output = replay()
-            finally:
-                self._local.gating = False
             replays += 1
+            if waiting is None:  # what this call met is what its gate judges (others wait for a call that meets them)
+                waiting = [(t, r) for t, r in notes.met if r.provisional]
+                if not waiting:
+                    return None
             figure = measure(reference, output, self.config.quality, gate=True)
             if figure.passed:
                 break
@@ -387,6 +428,12 @@ class Registration:
                 break
         for target, route in waiting:
             target.accept(route)
+        if tunes and any(self._targets[name].armed for name in demoted if name in self._targets):
+            # A block sent back with no fp32 build tunes in fp32 at its next call: this replay is that call, so the
+            # call that tuned ends with every block decided (never left armed for a later request to tune).
+            with self.noting(gating=True):
+                replay()
+            replays += 1
         earlier = self.quality or {}  # the gates before this one (the tuning call's, then calls with new shapes)
         shown = dataclasses.asdict(figure)
         if earlier and not earlier["value"] > figure.value:  # the worst call gated is the one shown
@@ -427,8 +474,9 @@ class Registration:
             if _HELD.get(target.module) is target:
                 del _HELD[target.module]
         self._context.progress.close()
-        if self._context.background is not None:
-            self._context.background.stop()
+        for worker in (self._context.background, self._checker):
+            if worker is not None:
+                worker.stop()
         self._context.decisions.clear()
         self._context.on_call = None
         self._detached = True

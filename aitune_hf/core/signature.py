@@ -67,7 +67,8 @@ class CallContext(NamedTuple):
         return ", ".join(parts)
 
 
-def _autocast() -> tuple[tuple[str, torch.dtype], ...]:
+def autocast_modes() -> tuple[tuple[str, torch.dtype], ...]:
+    """(device type, dtype) of each autocast on in this thread."""
     if not torch._C._is_any_autocast_enabled():
         return ()
     found = []
@@ -84,7 +85,7 @@ def call_context() -> CallContext:
     """The modes of the current call (see `CallContext`)."""
     c = torch._C
     return CallContext(
-        _autocast(),
+        autocast_modes(),
         torch.get_default_dtype(),
         c._get_deterministic_algorithms(),
         (

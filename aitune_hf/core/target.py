@@ -211,6 +211,8 @@ class Target:
         self._families: dict[ShapeFamily, list[_Route]] = {}
         #: (signature, route) pairs whose one-time check failed: those calls run eager without a second check.
         self._rejected: set[tuple[InputSignature, int]] = set()
+        #: New shapes whose check a whole call left to a replay off its thread (`CallNotes.defer`): eager until then.
+        self._pending: set[InputSignature] = set()
         #: Recorded calls per signature (the hottest shapes of a family are the ones timed).
         self._recorded_by_signature: collections.Counter[InputSignature] = collections.Counter()
         self._slot: ForwardSlot | None = None
@@ -289,6 +291,7 @@ class Target:
         self._routes = {}
         self._families = {}
         self._rejected.clear()
+        self._pending.clear()
         self._recorded_by_signature.clear()
 
     @property
@@ -359,6 +362,9 @@ class Target:
             checked = self._check_new_shape(signature, args, kwargs)
             if checked is not _NOT_COVERED:
                 return checked
+        if route is None and (notes := self._context.notes()) is not None and notes.replay:
+            self._count("eager")  # a replay of a whole call (a check, the gate): it records and tunes nothing
+            return self.original_forward(*args, **kwargs)
         if route is None:
             with self._lock:
                 if change is not None:
@@ -425,6 +431,17 @@ class Target:
                     self._routes = {**self._routes, signature: [*self._routes.get(signature, ()), route]}
             self._count("eager")
             return self.original_forward(*args, **kwargs)
+        notes = self._context.notes()
+        if notes is not None and notes.defer:
+            # The whole call's new shapes are checked by a replay of it off the caller's thread (`hf/gate.py`): the
+            # caller pays for a plain call, not for a check (and, in reduced precision, the gate). Eager serves.
+            with self._lock:
+                fresh = signature not in self._pending
+                self._pending.add(signature)
+            if fresh:
+                notes.deferred.append((self, signature))
+            self._count("eager")
+            return self.original_forward(*args, **kwargs)
         with Stopwatch() as watch:
             output = self.original_forward(*args, **kwargs)
             fell_back = built.fell_back() if built.fell_back is not None else 0
@@ -440,6 +457,7 @@ class Target:
             except Exception as error:  # a build that fails on a shape never serves it
                 failure = f"raised: {summarize(error)}"
         with self._lock:
+            self._pending.discard(signature)
             report = route.report
             report.shape_checks += 1
             report.shape_check_seconds += watch.seconds
@@ -484,7 +502,10 @@ class Target:
 
     def _serve(self, signature: InputSignature, route: _Route, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         built, chosen = route.built, route.report.chosen
-        if route.provisional and not self._context.gating():  # reduced precision waits for the end-to-end gate
+        notes = self._context.notes()
+        if route.provisional and notes is not None:
+            notes.meet(self, route)  # the gate of this call (or its replay) is the one to judge it
+        if route.provisional and (notes is None or not notes.gating):  # reduced precision waits for the gate
             if route.fallback is None:
                 self._count("eager")
                 return self.original_forward(*args, **kwargs)
@@ -516,10 +537,15 @@ class Target:
         """The reduced-precision routes waiting for the end-to-end gate."""
         return list({id(r): r for rs in self._routes.values() for r in rs if r.provisional}.values())
 
-    def covers_new_shapes_reduced(self) -> bool:
-        """True when a reduced-precision family route may meet a shape it was not gated on (see `_check_new_shape`)."""
-        routes = [r for rs in self._families.values() for r in rs]
-        return any(r.backend is not None and r.backend.precision != "fp32" for r in routes)
+    @property
+    def covers_new_shapes(self) -> bool:
+        """True when a family route may meet a shape it was not checked on (see `_check_new_shape`)."""
+        return any(r.built is not None for rs in self._families.values() for r in rs)
+
+    def release(self, signature: InputSignature) -> None:
+        """A deferred check of `signature` ended (or was dropped): a later call of it may defer a check again."""
+        with self._lock:
+            self._pending.discard(signature)
 
     def accept(self, route: _Route) -> None:
         """The gate passed: the reduced-precision decision serves from now on."""
@@ -789,7 +815,11 @@ class Target:
         if record["chosen"] == "eager":
             return dataclasses.replace(job.keep_eager(figures.get("reason") or "eager kept"), source="cache")
         backend = next((b for b in self._context.candidates if b.describe() == record["backend"]), None)
-        if backend is None:
+        ruled_out = self.unavailable_reason(backend) if backend is not None else None
+        if backend is None or ruled_out is not None:  # not a candidate here (the gate sent reduced precision back)
+            if ruled_out is not None:
+                logger.info("%s: cached winner %s is ruled out here (%s); tuning afresh", self.name, record["backend"],
+                            ruled_out)  # fmt: skip
             job.report.from_cache = None
             return None
         result, built = job.try_backend(backend)

@@ -31,6 +31,7 @@ from aitune_hf.core.target import TargetState
 from aitune_hf.core.timing import Stopwatch
 from aitune_hf.errors import ConfigError, InputTypeError, UsageError
 from aitune_hf.hf import copies
+from aitune_hf.hf.gate import WholeCall
 from aitune_hf.hf.hooks import install_slot_locators, weight_motion
 from aitune_hf.hf.outputs import generates, output_kinds
 from aitune_hf.hf.schedule import Schedule
@@ -54,7 +55,7 @@ class _AITuneState:
     registration: Registration
     options: dict[str, Any]
     found: list[FoundTarget]
-    schedule: Schedule  # which whole call records, arms, tunes; the quality gate's replay
+    schedule: Schedule  # which whole call records, arms, tunes (the quality gate: `hf/gate.py`)
     #: Whole-call seconds by what was called (`_call_key`): warm eager calls before tuning, tuned calls after. Only
     #: calls of the same inputs are compared (a 64-sentence batch is never set against a single query).
     eager_seconds: dict[str, list[float]] = field(default_factory=dict)
@@ -213,8 +214,7 @@ class AITuneMixin:
             return call(*args, **kwargs)
         tuned_before = registration.all_tuned
         untouched = not any(t.armed or t.decided for t in registration.targets.values())
-        state.schedule.call_starts(call, args, kwargs)
-        with Stopwatch() as watch:
+        with WholeCall(registration, call, args, kwargs), Stopwatch() as watch:  # the gate runs after the watch
             output = call(*args, **kwargs)
         if state.kinds is None:
             self._aitune_check_output(state, output)

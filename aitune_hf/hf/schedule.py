@@ -1,4 +1,4 @@
-"""Whole-call arming: which whole call records, which one arms tuning, and when the quality gate replays one.
+"""Whole-call arming: which whole call records and which one arms tuning.
 
 A whole call is a call a user makes of a pipeline or model: its `__call__`, a model's `generate()`, a VAE's
 `encode()` / `decode()` (`AITuneMixin._aitune_call` brings them here; a boundary reached inside another one on
@@ -23,25 +23,19 @@ Where no whole call is ever seen (sentence-transformers calls the model's `forwa
 called outside one marks the object's calls (`observe`): its call number `tune_after_calls + 1` arms before it
 runs (RECORDING -> ARMED), as the end of whole call `tune_after_calls` would have.
 
-Reduced precision (`TuningConfig.reduced`) serves only once a whole call that tuned it, replayed, passes the
-end-to-end quality budget: a whole call made while targets are armed is kept (`_Snapshot`), and replayed at the
-end of the call where decisions wait for the gate (that call, or a later one when the tuning ran in the
-background).
+The end-to-end quality gate of reduced precision, and the checks of new shapes a whole call leaves to a replay of
+it, are `hf/gate.py`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import enum
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
 
 from aitune_hf.core.registration import Registration
-from aitune_hf.core.timing import Stopwatch
 
 #: Arming is reported on the mixin's logger, where it always was (users and docs filter on it).
 logger = logging.getLogger("aitune_hf.hf.mixin")
@@ -88,16 +82,13 @@ class Schedule:
         self.owner = owner
         self.tune_after_calls = tune_after_calls
         self.auto = auto
-        # Reduced precision serves only once the whole call that tuned it, replayed, passes the quality budget.
+        # Reduced precision serves only once a whole call that met it, replayed, passes its budget (`hf/gate.py`).
         registration.gate_required = registration.config.reduced
         self._phase = Phase.RECORDING
         self._calls = 0  # whole calls ended
         self._descended_at = 0  # the whole call at whose end the phase became DESCENDED
         self._marker: str | None = None  # with no whole call seen: the target whose calls count as the object's
         self._outside_calls = 0  # calls of `_marker` outside any whole call
-        #: The latest whole call made while targets were armed (its call and `_Snapshot`): what the quality gate
-        #: replays once reduced-precision decisions wait for it.
-        self._gate_call: tuple[Callable[..., Any], _Snapshot] | None = None
         self._lock = threading.Lock()  # whole calls may come from many threads: each count is seen by one
         self._inside = threading.local()  # `.depth`: this thread is in a whole call
 
@@ -135,24 +126,9 @@ class Schedule:
         finally:
             self._inside.depth = 0
 
-    # -- a whole call, in order: call_starts, the call, call_ends ------------------------------------------
-    def call_starts(self, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Keep a copy of this call for the quality gate when it may tune reduced precision (targets are armed), or
-        when a reduced-precision decision may meet a shape the gate never saw (the call's end then gates it)."""
-        registration = self.registration
-        if registration.gate_required and (
-            any(t.armed for t in registration.targets.values()) or registration.may_gate_new_shapes
-        ):
-            snapshot = _Snapshot.take(call, args, kwargs)
-            # Never an earlier call's copy: its replay would not run this call's new shapes, and the gate would pass
-            # them unseen. No copy: what waits for the gate keeps waiting (eager, or the fp32 fallback, serves it).
-            self._gate_call = (call, snapshot) if snapshot is not None else None
-
+    # -- a whole call ends ------------------------------------------------------------------------------
     def call_ends(self) -> int:
-        """After the call: run the quality gate where decisions wait for it, and count the call; returns its
-        number (each number is returned to exactly one thread)."""
-        if self._gate_call is not None and self.registration.waiting_for_gate:
-            _gate(self.registration, *self._gate_call)
+        """Count a whole call that ended; returns its number (each number is returned to exactly one thread)."""
         with self._lock:
             self._calls += 1
             return self._calls
@@ -242,56 +218,3 @@ class Schedule:
             registration.tune(f"call {count} of {target} (tune_after_calls={after})")
         elif count > after + 1 and self._new_shapes_waiting():
             registration.tune(f"new input shapes recorded in call {count} of {target}")
-
-
-# -- the end-to-end quality gate -------------------------------------------------------------------------------
-@dataclass
-class _Snapshot:
-    """A whole call's inputs, deep copies (tensors, the user's generator in its state at the call's start): what the
-    end-to-end quality gate replays, eager and tuned, to compare the two.
-
-    A call that takes a `generator` (a Diffusers pipeline) and was given none draws its noise from torch's default
-    generator; each replay is given a private one, seeded alike, instead: the eager and the tuned replay see the same
-    noise, and neither moves the default generator, which other calls draw from (in this thread, or in others while
-    this one gates)."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-    @classmethod
-    def take(cls, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Snapshot | None:
-        import torch
-
-        try:
-            with torch.no_grad():
-                copied_args, copied_kwargs = copy.deepcopy((args, kwargs))
-        except Exception as error:  # an input deepcopy refuses: reduced precision then never serves (the fallback does)
-            logger.warning("the end-to-end quality gate cannot copy this call (%s); reduced precision waits", error)
-            return None
-        if copied_kwargs.get("generator") is None and _takes(call, "generator"):
-            copied_kwargs["generator"] = torch.Generator().manual_seed(0)
-        return cls(copied_args, copied_kwargs)
-
-    def replay(self, call: Callable[..., Any]) -> Any:
-        args, kwargs = copy.deepcopy((self.args, self.kwargs))
-        return call(*args, **kwargs)
-
-
-def _takes(call: Callable[..., Any], name: str) -> bool:
-    import inspect
-
-    try:
-        return name in inspect.signature(call).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _gate(registration: Registration, call: Callable[..., Any], snapshot: _Snapshot) -> None:
-    """Replay the call that tuned eager (the fp32 reference), then with the reduced-precision decisions serving, and
-    keep those whose whole output stays within `quality` (`Registration.gate`). The seconds count as tuning."""
-    with Stopwatch() as watch:
-        with registration.bypass():
-            reference = snapshot.replay(call)
-        registration.gate(reference, lambda: snapshot.replay(call))
-    if registration.quality is not None:
-        registration.quality["seconds"] = registration.quality.get("seconds", 0.0) + watch.seconds

@@ -208,7 +208,7 @@ def test_with_the_gate_required_a_new_shape_waits_for_the_gate_of_its_call() -> 
         with registration.bypass():
             reference = model(x)
         assert registration.gate(reference, lambda: model(x)).passed
-        assert registration.may_gate_new_shapes and not registration.waiting_for_gate
+        assert registration.may_defer_new_shapes and not registration.waiting_for_gate
         for rows, demoted in ((9, False), (11, True)):
             new = torch.randn(rows, 32)
             with registration.bypass():

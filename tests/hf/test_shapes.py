@@ -3,6 +3,8 @@ real client that calls `forward` itself (sentence-transformers) and real all-Min
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -145,15 +147,17 @@ def test_a_transformers_model_fed_thirty_sequence_lengths(st_path) -> None:
 
 
 @pytest.mark.skipif(hardware.cpu_int8_reason() is not None, reason=str(hardware.cpu_int8_reason()))
-def test_lengths_never_seen_are_gated_then_served_in_reduced_precision_without_tuning_again(st_path) -> None:
-    """int8 blocks tuned on two lengths; 8 lengths never seen: at each one's first call every block checks it against
-    eager (per-block filter) and the call's end replays it through the end-to-end gate (a block's error adds up to
-    more over longer sequences); then each is served, int8 where the gate passed, eager where it did not, and the
-    hidden states stay within the budget. Nothing tunes again (before: each new length ran eager and tuned again)."""
+def test_lengths_never_seen_are_gated_then_served_in_reduced_precision_without_tuning_again(st_path, caplog) -> None:
+    """int8 blocks tuned on two lengths; 8 lengths never seen: each one's first call runs eager (the caller pays for a
+    plain call), and a replay of it off the caller's thread checks every block against eager (per-block filter), then
+    passes it through the end-to-end gate (a block's error adds up to more over longer sequences); then each is
+    served, int8 where the gate passed, eager where it did not, and the hidden states stay within the budget. Nothing
+    tunes again (before: each new length ran eager and tuned again)."""
     model = AITuneModel.from_pretrained(st_path).eval()
     g = torch.Generator().manual_seed(0)
     calls = [torch.randint(1000, 20000, (1, n), generator=g) for n in (9, 13, *range(41, 105, 8))]
     config = {**ORT_FAMILY, "precision": ["int8"], "quality": {"cosine": 0.98}}
+    caplog.set_level(logging.INFO, logger="aitune_hf.core.registration")
     with torch.inference_mode():
         expected = [model(input_ids=ids).last_hidden_state for ids in calls]
         registration = model.enable_aitune(**config)
@@ -163,15 +167,57 @@ def test_lengths_never_seen_are_gated_then_served_in_reduced_precision_without_t
         assert registration.quality is not None and registration.quality["passed"], registration.report()
         assert any(t.report().precision == "int8" for t in registration.targets.values()), registration.report()
         tuned = {name: report.tuning_seconds for name, report in registration.reports.items()}
-        for ids, want in zip(calls[2:], expected[2:], strict=True):  # each new length: checked, gated (eager's out)
-            torch.testing.assert_close(model(input_ids=ids).last_hidden_state, want, atol=1e-4, rtol=1e-4)
+        checks = sum(s.shape_checks for r in registration.reports.values() for s in r.signatures)
+        for ids, want in zip(calls[2:], expected[2:], strict=True):  # each new length: eager, checked off the thread
+            torch.testing.assert_close(model(input_ids=ids).last_hidden_state, want, atol=0, rtol=0)
+        assert registration.wait(timeout=300), registration.worker.status()
         assert registration.quality["gates"] == 1 + 8 and not registration.waiting_for_gate, registration.report()
+        after = sum(s.shape_checks for r in registration.reports.values() for s in r.signatures)
+        built = sum(t.state is TargetState.TUNED for t in registration.targets.values())  # the others run eager
+        assert after == checks + 8 * built, registration.report()  # each built block, each length
+        gates = [r.threadName for r in caplog.records if r.getMessage().startswith("end-to-end quality gate")]
+        assert gates == ["MainThread"] + [registration.worker.thread_name] * 8, gates  # the tuning call's, then off it
         before = _served(registration)
         for ids, want in zip(calls[2:], expected[2:], strict=True):  # then served, within the budget
             assert _cosine(model(input_ids=ids).last_hidden_state[0], want[0]) >= 0.98
     served = {k: v - before.get(k, 0) for k, v in _served(registration).items()}
     assert served.get("onnxruntime(precision=int8)", 0) > 0, served
     assert {name: report.tuning_seconds for name, report in registration.reports.items()} == tuned  # no new tuning
+    model.disable_aitune()
+
+
+@pytest.mark.skipif(hardware.cpu_int8_reason() is not None, reason=str(hardware.cpu_int8_reason()))
+def test_with_background_tuning_no_caller_runs_a_gate_and_every_call_stays_within_the_budget(st_path, caplog) -> None:
+    """background=True: the int8 blocks tune on the worker, and their end-to-end gate runs there too (a replay of a
+    call that met them), as do the checks of new lengths: every caller gets eager's output or, once gated, output
+    within the budget; no gate runs on the caller's thread."""
+    model = AITuneModel.from_pretrained(st_path).eval()
+    g = torch.Generator().manual_seed(1)
+    calls = [torch.randint(1000, 20000, (1, n), generator=g) for n in (9, 13, 33, 57)]
+    caplog.set_level(logging.INFO, logger="aitune_hf.core.registration")
+    with torch.inference_mode():
+        expected = [model(input_ids=ids).last_hidden_state for ids in calls]
+        registration = model.enable_aitune(
+            **ORT_FAMILY, precision=["int8"], quality={"cosine": 0.98}, background=True, tune_after_calls=1
+        )
+        outputs = []
+        for _ in range(3):
+            for ids, want in zip(calls[:2], expected[:2], strict=True):
+                outputs.append((model(input_ids=ids).last_hidden_state, want))
+            assert registration.wait(timeout=300), registration.worker.status()
+        assert registration.all_tuned and registration.quality is not None, registration.report()
+        for ids, want in zip(calls, expected, strict=True):  # new lengths too: eager, then checked on the worker
+            outputs.append((model(input_ids=ids).last_hidden_state, want))
+        assert registration.wait(timeout=300), registration.worker.status()
+        for ids, want in zip(calls, expected, strict=True):
+            outputs.append((model(input_ids=ids).last_hidden_state, want))
+    for out, want in outputs:
+        assert _cosine(out[0], want[0]) >= 0.98
+    gates = {r.threadName for r in caplog.records if r.getMessage().startswith("end-to-end quality gate")}
+    assert gates == {registration.worker.thread_name}, gates
+    served = _served(registration)
+    if registration.quality["passed"]:
+        assert served.get("onnxruntime(precision=int8)", 0) > 0, (served, registration.report())
     model.disable_aitune()
 
 
