@@ -52,7 +52,7 @@ GOALS = {"sd": 1.0, "minilm_b1_s32": 3.0}  # the issue's ceilings: guard cost as
 
 def _places(guard: Any) -> list[tuple[str, dict[str, Any], str]]:
     """The (name, table, key) of the tensors a guard's weight check reads (none without a weight check)."""
-    return guard._weights.places if guard._weights is not None else []
+    return guard.weights.places if guard.weights is not None else []
 
 
 def _commit() -> str:
@@ -70,9 +70,8 @@ def _commit() -> str:
 
 def _routes(obj: Any) -> Iterator[tuple[str, Any]]:
     for name, target in obj.aitune.targets.items():
-        for routes in target._routes.values():
-            for route in routes:
-                yield name, route
+        for route in target.routes:
+            yield name, route
 
 
 @contextmanager
@@ -119,10 +118,10 @@ def _time_guard(guard: ModuleGuard, repeats: int) -> dict[str, float]:
     candidate runs about 10 ms per round)."""
     candidates: dict[str, Callable[[], Any]] = {
         "check": guard.check,
-        "state": lambda: guard._frozen == guard._live,
+        "state": guard.state_holds,
     }
-    if guard._weights is not None:
-        candidates["weights"] = guard._weights.holds
+    if guard.weights is not None:
+        candidates["weights"] = guard.weights.holds
     with torch.inference_mode():
         one, _ = time_interleaved({"check": guard.check}, [((), {})] * 5, warmup=1, repeats=3)
         loop = max(
@@ -204,7 +203,7 @@ def run(workload: pipelines.Workload, mode: str, rounds: int, log: Callable[[str
                 "checks_per_call": n,
                 "holds": holds is None,
                 "failure": holds,
-                "guarded_dicts": len(guard._live),
+                "guarded_dicts": guard.guarded_dicts,
                 "weight_tensors": len(_places(guard)),
                 "weight_mb": round(sum(t[k].numel() * t[k].element_size() for _, t, k in _places(guard)) / 1e6, 3),
                 "check_us": cost["check"] * 1e6,
@@ -233,7 +232,7 @@ def run(workload: pipelines.Workload, mode: str, rounds: int, log: Callable[[str
         "speedup": e2e["eager"] / tuned,
         "target_calls_per_call": sum(per_target_calls.values()),
         "target_calls_served_by": dict(served_by),
-        "routes_after_measuring": sum(len(rs) for t in targets.values() for rs in t._routes.values()),
+        "routes_after_measuring": sum(len(t.routes) for t in targets.values()),
         "guard_failures": changes,
         "guard_checks_per_call": n_checks,
         "guard_us_per_target_call": {

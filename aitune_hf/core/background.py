@@ -40,10 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from aitune_hf.core.target import Target
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +66,15 @@ def _yielding_hook() -> Callable[[Any, str, Any], None]:
 #: Checks of whole calls (`submit_check`) queued at most; beyond, a new one is dropped (its shapes are deferred again
 #: by a later call): a service meeting new shapes faster than they are checked keeps serving eager, never queues more.
 MAX_CHECKS = 8
+
+
+class Tunable(Protocol):
+    """What the worker needs of a target (`core.target.Target`, named here by its shape so that this room, below the
+    target, does not import it): its name, and its tuning run on the worker."""
+
+    name: str
+
+    def tune_in_background(self, tuner: BackgroundTuner) -> None: ...
 
 
 @dataclass(eq=False)
@@ -114,7 +120,7 @@ class BackgroundTuner:
             self._afresh = value
             self._condition.notify_all()
 
-    def submit(self, target: Target) -> None:
+    def submit(self, target: Tunable) -> None:
         """Queue `target`'s tuning (once) and make sure the worker runs; returns at once."""
         self._submit(_Job(target.name, functools.partial(target.tune_in_background, self), target, tuning=True))
 

@@ -436,6 +436,23 @@ class ModuleGuard:
         self._tables = tuple(guard for guard in guards if isinstance(guard, _Table))
         self._weights = guards[-1].check if weights else None  # type: ignore[attr-defined]
 
+    @property
+    def weights(self) -> _WeightSamples | _WeightValues | None:
+        """The weight-value check (`holds()`, `places`: the tensors it reads), or None where the backend's weights
+        stay live inputs and are not checked by value."""
+        return self._weights
+
+    @property
+    def guarded_dicts(self) -> int:
+        """How many attribute dicts the per-call fast path compares: one per owner (a module, or an object its state
+        reaches)."""
+        return len(self._live)
+
+    def state_holds(self) -> bool:
+        """The per-call fast path's state part alone: every owner's live dict equals its snapshot (structure, state and
+        hooks; no weight values, no re-take of moved tables). `check()` is what serving asks."""
+        return self._frozen == self._live
+
     def check(self) -> str | None:
         """None while everything holds; else the fail reason of the first guard of the list that fails."""
         for attempt in range(2):

@@ -1,12 +1,13 @@
 """What a strategy is, below the configuration that names one: the `Strategy` interface, the registry of strategy
 names, and the build-cost order. `core/strategy.py` holds the strategies and the tuning job; `core/config.py` checks
-names against the registry here, so neither imports the other."""
+names against the registry here, so neither imports the other. This room names the configuration and the tuning job
+it is handed by their shape (`StrategyConfig`, `Job`), never by importing the rooms above it."""
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -14,9 +15,7 @@ from aitune_hf.backends.base import Backend
 from aitune_hf.errors import ConfigError
 
 if TYPE_CHECKING:
-    from aitune_hf.core.config import TuningConfig
     from aitune_hf.core.decisions import Decision
-    from aitune_hf.core.strategy import TuningJob
 
 #: Strategy name -> class, for `TuningConfig(strategy="...")`: filled by `core/strategy.py` (imported with the core).
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -30,6 +29,18 @@ def build_cost(backend: Backend) -> str:
 def cheap_first(backends: Sequence[Backend]) -> list[Backend]:
     """`backends` with the cheap builds first; the order given is kept within each cost (a stable sort)."""
     return sorted(backends, key=lambda backend: build_cost(backend) == "slow")
+
+
+class StrategyConfig(Protocol):
+    """What a strategy reads of the configuration here (`core.config.TuningConfig`, which imports this room)."""
+
+    def resolve_backends(self) -> list[Backend]: ...
+
+
+class Job(Protocol):
+    """What a strategy is handed to decide one signature (`core.strategy.TuningJob`, above this room)."""
+
+    config: StrategyConfig
 
 
 class Strategy(abc.ABC):
@@ -47,7 +58,7 @@ class Strategy(abc.ABC):
             raise ConfigError(f"{type(self).__name__}(order=...) must be 'cost' or 'given', got {order!r}")
         self.order = order
 
-    def candidates(self, config: TuningConfig) -> list[Backend]:
+    def candidates(self, config: StrategyConfig) -> list[Backend]:
         """The candidate backends this strategy will try, eager excluded, in the order given."""
         return config.resolve_backends()
 
@@ -55,12 +66,12 @@ class Strategy(abc.ABC):
         """`backends` in the order this strategy tries them."""
         return cheap_first(backends) if self.order == "cost" else list(backends)
 
-    def validate(self, config: TuningConfig, devices: frozenset[torch.device]) -> None:
+    def validate(self, config: StrategyConfig, devices: frozenset[torch.device]) -> None:
         """Raise before anything is patched if this strategy cannot work with `config` on `devices`."""
         self.candidates(config)
 
     @abc.abstractmethod
-    def decide(self, job: TuningJob, backends: Sequence[Backend]) -> Decision:
+    def decide(self, job: Job, backends: Sequence[Backend]) -> Decision:
         """Build, check and time candidates for `job`, and choose."""
 
     def __repr__(self) -> str:

@@ -253,6 +253,11 @@ class Target:
         return not self.calls_served and not self._routes and not self.samples and self._pinned is None
 
     @property
+    def routes(self) -> tuple[_Route, ...]:
+        """Every route this target holds now, over all its signatures (a snapshot, for reading)."""
+        return tuple(route for routes in self._routes.values() for route in routes)
+
+    @property
     def pinned_reason(self) -> str | None:
         """Why this target is kept eager for good, or None."""
         return self._pinned.reason if self._pinned is not None else None

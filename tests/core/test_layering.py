@@ -13,20 +13,16 @@ PACKAGE = Path(__file__).resolve().parents[2] / "aitune_hf"
 HF_LIBRARIES = {"diffusers", "transformers", "accelerate", "huggingface_hub"}
 
 
-def _tree(path: Path, runtime_only: bool = False) -> ast.Module:
-    """The parsed file; `runtime_only` empties `if TYPE_CHECKING:` blocks (annotations, not arrows)."""
-    tree = ast.parse(path.read_text())
-    if runtime_only:
-        for node in ast.walk(tree):
-            if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-                node.body = []
-    return tree
+def _tree(path: Path) -> ast.Module:
+    """The parsed file. Imports under `if TYPE_CHECKING:` stay in: a type named from a room above is an arrow up too
+    (a lower room names such a type by a small protocol of its own)."""
+    return ast.parse(path.read_text())
 
 
-def _imports(path: Path, runtime_only: bool = False) -> set[str]:
-    """Modules `path` imports (see `_tree` for `runtime_only`)."""
+def _imports(path: Path) -> set[str]:
+    """Modules `path` imports, type-only imports and imports inside functions included."""
     names = set()
-    for node in ast.walk(_tree(path, runtime_only)):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -106,14 +102,14 @@ def _module_name(path: Path) -> str:
 
 
 def _package_graph() -> dict[str, set[str]]:
-    """Every module of the package -> the package modules it imports at run time, lazy imports inside functions
-    included (an import in a function is an arrow too); `from aitune_hf.x import y` counts as importing
+    """Every module of the package -> the package modules it imports, lazy imports inside functions and type-only
+    imports (`if TYPE_CHECKING:`) included: each is an arrow; `from aitune_hf.x import y` counts as importing
     aitune_hf.x.y where that is a module, else aitune_hf.x."""
     modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found = set()
-        for node in ast.walk(_tree(path, runtime_only=True)):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names if alias.name.startswith("aitune_hf"))
             elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("aitune_hf"):
@@ -124,17 +120,34 @@ def _package_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_import_cycle_anywhere_in_the_package() -> None:
-    """No module imports one that imports it back, through any path, lazy imports included (the package's own
-    __init__ files, which gather the public face, are not counted as importers)."""
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    """The modules of `graph` that reach themselves (the package's own __init__ files, which gather the public face,
+    are not counted as importers)."""
     graph = {name: {t for t in targets if not PACKAGE.joinpath(*t.split(".")[1:], "__init__.py").exists()}
-             for name, targets in _package_graph().items()}  # fmt: skip
+             for name, targets in graph.items()}  # fmt: skip
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
         return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph.get(start, ()))
 
-    cycles = sorted(name for name in graph if reaches(name, name, set()))
+    return sorted(name for name in graph if reaches(name, name, set()))
+
+
+def test_no_import_cycle_anywhere_in_the_package() -> None:
+    """No module imports one that imports it back, through any path, lazy and type-only imports included."""
+    cycles = _cycles(_package_graph())
     assert not cycles, f"import cycles through {cycles}"
+
+
+def test_a_type_only_import_closes_a_cycle_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check itself: a circle whose way back is an import under `if TYPE_CHECKING:` is found."""
+    package = tmp_path / "aitune_hf"
+    package.mkdir()
+    (package / "low.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from aitune_hf.high import High\n"
+    )
+    (package / "high.py").write_text("from aitune_hf.low import low\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
+    assert _cycles(_package_graph()) == ["aitune_hf.high", "aitune_hf.low"]
 
 
 #: Who may not import whom (ARCHITECTURE.md, "Arrows point one way"): importer prefix -> forbidden prefixes.
@@ -176,17 +189,26 @@ INTERNAL_ON_PURPOSE = {
 ROOT = PACKAGE.parent
 
 
-def _notebook_imports(path: Path) -> set[str]:
-    """Modules the code cells of a notebook import (IPython magics and shell lines left out)."""
+def _code_trees(path: Path) -> list[ast.Module]:
+    """The parsed code of a benchmark, or of each code cell of a notebook (IPython magics and shell lines left out)."""
     import json
 
-    names = set()
+    if path.suffix != ".ipynb":
+        return [_tree(path)]
+    trees = []
     for cell in json.loads(path.read_text())["cells"]:
         if cell["cell_type"] != "code":
             continue
         lines = "".join(cell["source"]).splitlines()
-        code = "\n".join(line for line in lines if not line.lstrip().startswith(("%", "!")))
-        for node in ast.walk(ast.parse(code)):
+        trees.append(ast.parse("\n".join(line for line in lines if not line.lstrip().startswith(("%", "!")))))
+    return trees
+
+
+def _notebook_imports(path: Path) -> set[str]:
+    """Modules the code cells of a notebook import."""
+    names = set()
+    for tree in _code_trees(path):
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module:
@@ -204,6 +226,71 @@ def test_benchmarks_and_notebooks_use_the_public_api_only() -> None:
         allowed = PUBLIC | INTERNAL_ON_PURPOSE.get(path.relative_to(ROOT).as_posix(), set())
         broken += [f"{path.relative_to(ROOT)} imports {name}" for name in sorted(ours - allowed)]
     assert not broken, broken
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_names_of_the_package() -> frozenset[str]:
+    """The private names (`_x`, not dunder) the package defines: attributes set on `self`/`cls`, names in a class
+    body, and module-level names. Reading one of these from outside the package reads our internals."""
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        tree = _tree(path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    names.add(node.attr)
+            elif isinstance(node, ast.ClassDef | ast.Module):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                        names.add(item.name)
+                    elif isinstance(item, ast.Assign | ast.AnnAssign):
+                        targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                        names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return frozenset(name for name in names if _is_private(name))
+
+
+def _private_reads(tree: ast.Module, ours: frozenset[str]) -> list[str]:
+    """`obj._x` in `tree` where `_x` is one of `ours` and `obj` is not `self`/`cls` nor a module imported from
+    another library (`torch._dynamo`): what a benchmark or notebook reads of our internals."""
+    foreign = set()  # names bound to other libraries' modules
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            foreign.update((a.asname or a.name).split(".")[0] for a in node.names if not a.name.startswith("aitune_hf"))
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("aitune_hf"):
+            foreign.update(a.asname or a.name for a in node.names)
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr in ours):
+            continue
+        root = node.value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(root, ast.Name) and (root.id in ("self", "cls") or root.id in foreign):
+            continue
+        found.append(f"line {node.lineno}: .{node.attr}")
+    return found
+
+
+def test_benchmarks_and_notebooks_read_no_private_attribute_of_ours() -> None:
+    """Benchmarks and notebooks read what the package offers in public (`Target.routes`, `ModuleGuard.weights`, ...),
+    never an `obj._x` that the package defines: internals change without notice."""
+    ours = _private_names_of_the_package()
+    files = sorted(ROOT.glob("benchmarks/*.py")) + sorted(ROOT.glob("notebooks/*.ipynb"))
+    broken = [
+        f"{path.relative_to(ROOT)} {read}"
+        for path in files
+        for tree in _code_trees(path)
+        for read in _private_reads(tree, ours)
+    ]
+    assert not broken, broken
+
+
+def test_the_private_read_check_sees_one() -> None:
+    tree = ast.parse("import torch\nroutes = target._routes\nself._routes = 1\ntorch._dynamo.reset()\n")
+    assert _private_reads(tree, frozenset({"_routes", "_dynamo"})) == ["line 2: ._routes"]
 
 
 def test_package_imports_without_optional_libraries() -> None:

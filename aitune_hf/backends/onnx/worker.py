@@ -18,21 +18,32 @@ import tempfile
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+import torch.utils._pytree as pytree
 
 from aitune_hf.backends.base import run_in_build_process
 from aitune_hf.backends.onnx.export import export_flat, exporting, private_twin
-
-if TYPE_CHECKING:
-    from aitune_hf.backends.onnx.model import CallLayout
 
 logger = logging.getLogger(__name__)
 
 #: A runtime's steps in the build process: a module-level function (it goes by pickle) called as
 #: `fn(folder, model_file, *args)`, returning plain data for `WorkerBuild.made`.
 Finish = tuple[Callable[..., dict[str, Any]], tuple[Any, ...]]
+
+
+class Layout(Protocol):
+    """What an export in the build process needs of a call's layout (`model.CallLayout`, named here by its shape so
+    that this module, below `model.py`, does not import it)."""
+
+    in_leaves: list[Any]
+    in_spec: pytree.TreeSpec
+    tensor_positions: list[int]
+    weights: dict[str, torch.Tensor]
+
+    @property
+    def names(self) -> tuple[list[str], list[str], list[str]]: ...
 
 
 class WorkerBuild:
@@ -53,7 +64,7 @@ class WorkerBuild:
         cls,
         module: torch.nn.Module,
         forward: Callable[..., Any],
-        layout: CallLayout,
+        layout: Layout,
         attempts: list[list[frozenset[int]] | None],
         opset_version: int | None,
         finish: Finish | None,
