@@ -114,7 +114,7 @@ class ModuleReport:
     routes: int = 0  # built routes: one per (signature, guarded module state)
     signatures_over_limit: int = 0  # calls of signatures beyond max_signatures: run eager, not recorded
     idle: bool = False  # never called since registration (a VAE's encoder where nothing encodes)
-    training: str | None = None  # why its latest calls ran eager in training mode (`guards.training_reason`)
+    training: str | None = None  # why its latest calls ran eager in training mode (`signature.training_reason`)
 
     @property
     def backend(self) -> str:

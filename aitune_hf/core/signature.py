@@ -1,4 +1,6 @@
-"""What a call looked like: `InputSignature` groups calls, `Sample` keeps a call's inputs for tuning."""
+"""What a call looked like: `InputSignature` groups calls, `Sample` keeps a call's inputs for tuning; and the rules on
+the modes a call runs under: the thread's (`CallContext`, grad and inference mode in the signature) and the module's
+training mode (`training_reason`: such a call runs eager, unrecorded)."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class CallContext(NamedTuple):
     1 us): autocast (per device type: its dtype, when on), the default dtype (tensors a forward creates without one),
     deterministic algorithms, and the scaled-dot-product-attention backends allowed (flash, memory-efficient, math,
     cuDNN; `torch.nn.attention.sdpa_kernel` sets them, on CPU too). Grad and inference mode are fields of
-    `InputSignature` itself; training mode is module state (`core.guards.training_reason`).
+    `InputSignature` itself; training mode is module state (`training_reason`).
 
     A call is served only by a route built under an equal context, and a signature is tuned only in a call made under
     its own context (its replays then see the modes its calls saw)."""
@@ -95,6 +97,27 @@ def call_context() -> CallContext:
             c._get_cudnn_sdp_enabled(),
         ),
     )
+
+
+def training_reason(module: torch.nn.Module) -> str | None:
+    """Why calls of `module` are training-mode calls now, or None: the module itself is in training mode
+    (`module.train()`: dropout and every `self.training` branch are live), or a dropout (p > 0) or batch/instance
+    norm inside it is (its output is random, or it updates running statistics). Such calls run eager and are never
+    recorded or tuned: nothing they return can be checked against eager.
+
+    Submodules whose training flag changes nothing are ignored: peft leaves its LoRA layers in training mode after
+    `load_lora_weights` (their dropout is an Identity at the default p=0), under a model in eval mode.
+    """
+    if module.training:
+        return f"{type(module).__name__} is in training mode (module.train())"
+    for name, sub in module.named_modules():
+        if not sub.training:
+            continue
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
+            return f"{name} ({type(sub).__name__}, p={sub.p:g}) is in training mode: its output is random"
+        if isinstance(sub, torch.nn.modules.batchnorm._NormBase):
+            return f"{name} ({type(sub).__name__}) is in training mode: it normalises by batch statistics"
+    return None
 
 
 @dataclass(frozen=True)

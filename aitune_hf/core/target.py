@@ -39,7 +39,7 @@ from aitune_hf.core.cache import Consultation, consult
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.decisions import Decision
-from aitune_hf.core.guards import ModuleGuard, training_reason
+from aitune_hf.core.guards import ModuleGuard
 from aitune_hf.core.keys import build_state, key_fields, state_fingerprint
 from aitune_hf.core.precision import block_budget
 from aitune_hf.core.reasons import details, summarize
@@ -54,6 +54,7 @@ from aitune_hf.core.signature import (
     describe_family,
     layout_of,
     signature_of,
+    training_reason,
 )
 from aitune_hf.core.slots import ForwardSlot, all_slots, locate_slot
 from aitune_hf.core.strategy import NoEvidence, TuningJob
@@ -200,7 +201,7 @@ class Target:
         self.signatures_over_limit = 0  # calls of signatures beyond config.max_signatures (run eager)
         self.tuning_seconds = 0.0
         self.calls_served: dict[str, int] = {}
-        #: Why the latest call ran in training mode (`guards.training_reason`), until a call is served again.
+        #: Why the latest call ran in training mode (`signature.training_reason`), until a call is served again.
         self.training: str | None = None
         #: What the end-to-end gate sent back, for the report of the fp32 decision tuned in its place.
         self._demoted: str | None = None
