@@ -155,65 +155,21 @@ def run_session(
     import numpy as np
 
     say = say or (lambda text: None)
-    if reference is None:
-        with Stopwatch() as watch:
-            reference = run()
-        eager_call_seconds: float | None = watch.seconds
-        say(f"eager call ({inputs}): {watch.seconds:.3f} s")
-    else:
-        eager_call_seconds = None
-    eager_output = np.asarray(reference)
-
-    manual = "tune_after_calls" in enable_kwargs and enable_kwargs["tune_after_calls"] is None
+    eager_output, eager_call_seconds = _eager_reference(run, reference, inputs, say)
     with Stopwatch() as prepare:
-        with Stopwatch() as enable:
-            registration = obj.enable_aitune(targets, **enable_kwargs)
-        shown = "".join(f", {k}={enable_kwargs[k]!r}" for k in _SHOWN if enable_kwargs.get(k) is not None)
-        say(f"enable_aitune(targets={targets!r}{shown}): {len(registration.targets)} target(s)")
-        for name, target in registration.targets.items():
-            say(f"  {name} ({type(target.module).__name__})")
-
-        with Stopwatch() as recording:
-            run()
-        say(
-            f"recording call: {recording.seconds:.3f} s "
-            "(targets run eager and record their inputs; tuning is now armed)"
-        )
-        say("tuning: in the next call each target builds, checks and times its candidates inside the call's own flow")
-        tuning_call_seconds, calls = 0.0, 0
-        while calls == 0 or (not registration.all_tuned and calls <= max_extra_calls):
-            if manual and not any(t.armed for t in registration.targets.values()):
-                registration.tune()
-            with Stopwatch() as tuning:
-                run()
-            tuning_call_seconds, calls = tuning_call_seconds + tuning.seconds, calls + 1
+        registration, enable_seconds = _enable(obj, targets, enable_kwargs, say)
+        recording_seconds = _record(run, say)
+        manual = "tune_after_calls" in enable_kwargs and enable_kwargs["tune_after_calls"] is None
+        tuning_call_seconds, calls = _tune(registration, run, manual, max_extra_calls, say)
     say(
         f"tuning call: {tuning_call_seconds:.1f} s wall ({calls} call(s)); "
         f"states: {format_counts(registration.state_counts)}"
     )
-
     with Stopwatch() as tuned:
         tuned_output = np.asarray(run())
     say(f"tuned call ({inputs}): {tuned.seconds:.3f} s")
-
-    end_to_end = None
-    if rounds > 0 and registration.all_tuned:
-        say(f"measuring: measure_aitune(rounds={rounds}), eager and tuned whole calls interleaved ...")
-        with _inference(obj):
-            end_to_end = obj.measure_aitune(**(call_kwargs or {}), rounds=rounds)
-    elif rounds > 0:
-        say(f"measuring skipped: not every target reached a decision ({format_counts(registration.state_counts)})")
-
-    diff, atol, passed = compare(eager_output, tuned_output)
-    quality = None
-    if registration.config.reduced:  # reduced precision is held to its end-to-end budget, not to fp32's atol
-        # `run` returns bare arrays: say what they are (a pipeline's images are measured by PSNR, not cosine), as the
-        # gate recorded it from the whole output, or from the object where nothing was gated.
-        kind = (registration.quality or {}).get("kind")
-        images = kind == "images" or (kind is None and hasattr(obj, "components") and hasattr(obj, "vae"))
-        wrap = (lambda output: {"images": output}) if images else (lambda output: output)
-        figure = measure(wrap(eager_output), wrap(tuned_output), registration.config.quality)
-        quality, passed = figure.text(), figure.passed
+    end_to_end = _measure(obj, registration, rounds, call_kwargs, say)
+    diff, atol, passed, quality = _check(obj, registration, eager_output, tuned_output)
     return SessionResult(
         registration=registration,
         report=registration.report(),
@@ -221,8 +177,8 @@ def run_session(
         eager_output=eager_output,
         tuned_output=tuned_output,
         eager_call_seconds=eager_call_seconds,
-        enable_seconds=enable.seconds,
-        recording_call_seconds=recording.seconds,
+        enable_seconds=enable_seconds,
+        recording_call_seconds=recording_seconds,
         tuning_call_seconds=tuning_call_seconds,
         tuning_calls=calls,
         tuned_call_seconds=tuned.seconds,
@@ -233,6 +189,87 @@ def run_session(
         passed=passed,
         quality=quality,
     )
+
+
+# -- the steps of a session --------------------------------------------------------------------------------------------
+
+
+def _eager_reference(
+    run: Callable[[], Any], reference: Any, inputs: str, say: Callable[[str], None]
+) -> tuple[Any, float | None]:
+    """The eager output as an array, and the seconds of the eager call (None when the caller gave `reference`)."""
+    import numpy as np
+
+    if reference is not None:
+        return np.asarray(reference), None
+    with Stopwatch() as watch:
+        reference = run()
+    say(f"eager call ({inputs}): {watch.seconds:.3f} s")
+    return np.asarray(reference), watch.seconds
+
+
+def _enable(obj: Any, targets: Any, enable_kwargs: Mapping[str, Any], say: Callable[[str], None]) -> tuple[Any, float]:
+    """`obj.enable_aitune(targets, **enable_kwargs)`, said with the targets it found; (registration, seconds)."""
+    with Stopwatch() as enable:
+        registration = obj.enable_aitune(targets, **enable_kwargs)
+    shown = "".join(f", {k}={enable_kwargs[k]!r}" for k in _SHOWN if enable_kwargs.get(k) is not None)
+    say(f"enable_aitune(targets={targets!r}{shown}): {len(registration.targets)} target(s)")
+    for name, target in registration.targets.items():
+        say(f"  {name} ({type(target.module).__name__})")
+    return registration, enable.seconds
+
+
+def _record(run: Callable[[], Any], say: Callable[[str], None]) -> float:
+    """The recording call: targets run eager and record their inputs. Its seconds."""
+    with Stopwatch() as recording:
+        run()
+    say(f"recording call: {recording.seconds:.3f} s (targets run eager and record their inputs; tuning is now armed)")
+    return recording.seconds
+
+
+def _tune(
+    registration: Any, run: Callable[[], Any], manual: bool, max_extra_calls: int, say: Callable[[str], None]
+) -> tuple[float, int]:
+    """Tuning calls: one, and up to `max_extra_calls` more while some target has not decided (`manual`: armed here by
+    `registration.tune()`). Their seconds together, and how many."""
+    say("tuning: in the next call each target builds, checks and times its candidates inside the call's own flow")
+    seconds, calls = 0.0, 0
+    while calls == 0 or (not registration.all_tuned and calls <= max_extra_calls):
+        if manual and not any(t.armed for t in registration.targets.values()):
+            registration.tune()
+        with Stopwatch() as tuning:
+            run()
+        seconds, calls = seconds + tuning.seconds, calls + 1
+    return seconds, calls
+
+
+def _measure(
+    obj: Any, registration: Any, rounds: int, call_kwargs: Mapping[str, Any] | None, say: Callable[[str], None]
+) -> Any:
+    """`obj.measure_aitune(...)` when `rounds` > 0 and every target decided; else None."""
+    if rounds <= 0:
+        return None
+    if not registration.all_tuned:
+        say(f"measuring skipped: not every target reached a decision ({format_counts(registration.state_counts)})")
+        return None
+    say(f"measuring: measure_aitune(rounds={rounds}), eager and tuned whole calls interleaved ...")
+    with _inference(obj):
+        return obj.measure_aitune(**(call_kwargs or {}), rounds=rounds)
+
+
+def _check(obj: Any, registration: Any, eager_output: Any, tuned_output: Any) -> tuple[float, float, bool, str | None]:
+    """(max abs difference, atol, passed, quality text): fp32 is held to `compare`'s atol; reduced precision to its
+    end-to-end budget (`passed` then says whether the quality figure is within it)."""
+    diff, atol, passed = compare(eager_output, tuned_output)
+    if not registration.config.reduced:
+        return diff, atol, passed, None
+    # `run` returns bare arrays: say what they are (a pipeline's images are measured by PSNR, not cosine), as the
+    # gate recorded it from the whole output, or from the object where nothing was gated.
+    kind = (registration.quality or {}).get("kind")
+    images = kind == "images" or (kind is None and hasattr(obj, "components") and hasattr(obj, "vae"))
+    wrap = (lambda output: {"images": output}) if images else (lambda output: output)
+    figure = measure(wrap(eager_output), wrap(tuned_output), registration.config.quality)
+    return diff, atol, figure.passed, figure.text()
 
 
 def compare(eager: Any, tuned: Any) -> tuple[float, float, bool]:

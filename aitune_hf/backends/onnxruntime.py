@@ -20,6 +20,7 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,30 @@ _ARENAS = ("shared", "session", "off")
 _KERNELS = ("default", "fused")
 #: Why a `kernels="fused"` build does not apply to a block (reported as the candidate's "unavailable: ..." reason).
 NOTHING_TO_FUSE = "nothing to fuse: no attention, layer-norm or GELU pattern in this block"
+
+
+@dataclass
+class _Model:
+    """The model one session reads, and what came with it (`OnnxRuntimeBackend._model`, or the cache's)."""
+
+    model: Any  # what the session reads: bytes, a path (str), or the build process's optimised model
+    path: Path | None  # where it was saved (the cache's staging folder, `artifact_dir`, a temporary one), if saved
+    cleanup: Path | None  # a temporary folder to remove with the session
+    source: str  # "cache", or how `obtain` got the export ("export", "reused", "shared")
+    worker: WorkerBuild | None  # what the build process made (removed once the session loaded it)
+    fused_ops: dict[str, int] | None  # kernels="fused": the fused operators, by type
+
+    @classmethod
+    def cached(cls, folder: Path) -> _Model:
+        """The model this backend saved in the cache's `folder` before."""
+        path = folder / _MODEL_FILE
+        return cls(str(path), path, None, "cache", None, None)
+
+    def artifacts(self, in_place: bool) -> list[Path]:
+        """The files to keep with the decision: the folder in the cache's place (`in_place`), else the saved file."""
+        if in_place and self.path is not None:
+            return [self.path.parent]
+        return [self.path] if self.path else []
 
 
 @register_backend
@@ -232,46 +257,55 @@ class OnnxRuntimeBackend(Backend):
             raise CandidateUnavailable(
                 "kernels='fused' rewrites the model in memory, and this block's weights pass protobuf's 2 GB limit"
             )
-        cuda = layout.device.type == "cuda"
-        providers = self.providers or (["CUDAExecutionProvider"] if cuda else []) + ["CPUExecutionProvider"]
+        providers = self._providers(layout.device)
         if cached is not None:  # a model this backend exported before, for this module, signature and weights
             # Loaded here, even in the background: a replica that starts warm reads its decisions before it serves,
             # and starting the build process (a Python that imports torch and onnx) would add seconds to its warm-up.
-            path = cached / _MODEL_FILE
-            model, cleanup, source, worker, fused_ops = str(path), None, "cache", None, None
+            made = _Model.cached(cached)
         else:
             made = self._model(module, forward, samples, layout, large, place, providers)
-            model, path, cleanup, source, worker, fused_ops = made
-        try:
-            session = self._session(onnxruntime, model, layout.device, providers, optimized=worker is not None)
-        finally:
-            if worker is not None:
-                worker.remove()
+        session = self._open(onnxruntime, made, layout.device, providers)
         if cached is not None:
             _check_interface(session, layout.weight_names + layout.input_names, layout.output_names)
+        runner = self._runner(module, session, layout, made)
+        tensors = [layout.in_leaves[i] for i in layout.tensor_positions]
+        return BuiltBackend(
+            fn=runner,
+            bakes_weights=bakes,
+            artifacts=made.artifacts(in_place=place is not None),
+            dynamic_dims=_free_dims(session, layout.input_names, tensors) if dynamic else None,
+            loaded=cached is not None,
+            reused=made.source == "reused",
+        )
+
+    def _providers(self, device: torch.device) -> list[Any]:
+        """The execution providers asked for, else CUDA's (on a CUDA device) and the CPU's."""
+        return self.providers or (["CUDAExecutionProvider"] if device.type == "cuda" else []) + ["CPUExecutionProvider"]
+
+    def _open(self, onnxruntime: Any, made: _Model, device: torch.device, providers: list[Any]) -> Any:
+        """The session of `made`; what the build process left for it is removed once the session has loaded it."""
+        try:
+            return self._session(onnxruntime, made.model, device, providers, optimized=made.worker is not None)
+        finally:
+            if made.worker is not None:
+                made.worker.remove()
+
+    def _runner(self, module: torch.nn.Module, session: Any, layout: CallLayout, made: _Model) -> _SessionRunner:
+        """What serves the calls: the session behind the forward's call layout; a temporary folder the model was saved
+        in lives as long as it."""
         runner = _SessionRunner(
-            source=source,
+            source=made.source,
             session=session,
             layout=layout,
             weight_sources=dict(zip(layout.weight_names, weight_sources(module, list(layout.weights)), strict=True)),
             tree=module_tree(module) if layout.weights else [],
-            built_in=worker.pid if worker is not None else None,
-            kernels=fused_ops,
+            built_in=made.worker.pid if made.worker is not None else None,
+            kernels=made.fused_ops,
             arena_cap=(_arena_cap or 0) if layout.device.type == "cpu" and self.arena == "shared" else 0,
         )
-        if cleanup is not None:  # a temporary folder lives as long as the session that reads it
-            weakref.finalize(runner, shutil.rmtree, cleanup, ignore_errors=True)
-        tensors = [layout.in_leaves[i] for i in layout.tensor_positions]
-        dynamic_dims = _free_dims(session, layout.input_names, tensors) if dynamic else None
-        artifacts = [path.parent] if place is not None and path is not None else [path] if path else []
-        return BuiltBackend(
-            fn=runner,
-            bakes_weights=bakes,
-            artifacts=artifacts,
-            dynamic_dims=dynamic_dims,
-            loaded=cached is not None,
-            reused=source == "reused",
-        )
+        if made.cleanup is not None:
+            weakref.finalize(runner, shutil.rmtree, made.cleanup, ignore_errors=True)
+        return runner
 
     def _model(
         self,
@@ -282,9 +316,8 @@ class OnnxRuntimeBackend(Backend):
         large: bool,
         place: ArtifactPlace | None,
         providers: list[str],
-    ) -> tuple[Any, Path | None, Path | None, str, WorkerBuild | None, dict[str, int] | None]:
-        """The model the session reads, made afresh (`obtain`), fused and quantized when asked: (model, saved path,
-        folder to remove, where it came from, what the build process made, the fused operators)."""
+    ) -> _Model:
+        """The model the session reads, made afresh (`obtain`), fused and quantized when asked."""
         # Background tuning: the heavy steps (export, int8 quantization, graph optimisation) run in the build process
         # (`backends/base.py`), which holds no GIL of this one.
         offload = current_build().private_only and layout.device.type == "cpu" and not large
@@ -300,8 +333,8 @@ class OnnxRuntimeBackend(Backend):
             if fused_ops is not None and not fused_ops:
                 worker.remove()
                 raise CandidateUnavailable(NOTHING_TO_FUSE)
-            model, path, cleanup = self._place(None, None, module, large, place, file=Path(worker.made["model"]))
-            return worker.made["optimized"], path, cleanup, obtained.how, worker, fused_ops
+            _, path, cleanup = self._place(None, None, module, large, place, file=Path(worker.made["model"]))
+            return _Model(worker.made["optimized"], path, cleanup, obtained.how, worker, fused_ops)
         proto, program, fused_ops = obtained.proto, obtained.program, None
         if self.kernels == "fused":  # before any session: a block where nothing fuses costs none
             with exporting():
@@ -313,7 +346,7 @@ class OnnxRuntimeBackend(Backend):
             with exporting():
                 proto, program = _quantize_int8(proto if proto is not None else program.model_proto), None
         model, path, cleanup = self._place(proto, program, module, large, place)
-        return model, path, cleanup, obtained.how, None, fused_ops
+        return _Model(model, path, cleanup, obtained.how, None, fused_ops)
 
     def _session(
         self, onnxruntime: Any, model: Any, device: torch.device, providers: list[Any], optimized: bool
