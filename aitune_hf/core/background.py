@@ -1,4 +1,6 @@
-"""Tuning in the background (`TuningConfig.background`): no call waits for a tuning.
+"""Work off the callers' threads: tuning in the background (`TuningConfig.background`: no call waits for a tuning),
+and the checks of new shapes that whole calls leave to a replay of themselves (`hf/gate.py`), in one worker thread
+per registration (`Registration.worker`), one job at a time. Checks queue at most `MAX_CHECKS` deep.
 
 A target that would tune inside a call (armed, and no route for the call) is queued instead, and the call runs eager
 at once. One worker thread per registration tunes the queued targets, one at a time (and one tuning at a time in the
@@ -32,12 +34,14 @@ takes; a candidate whose lead is within the noise is not chosen over eager (`min
 
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
 import logging
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -66,6 +70,19 @@ def _yielding_hook() -> Callable[[Any, str, Any], None]:
 #: Checks of whole calls (`submit_check`) queued at most; beyond, a new one is dropped (its shapes are deferred again
 #: by a later call): a service meeting new shapes faster than they are checked keeps serving eager, never queues more.
 MAX_CHECKS = 8
+#: Workers alive in this process: stopped and joined at exit, so that a worker thread never outlives the runtimes it
+#: called (a daemon thread frozen at exit with ONNX Runtime state left C++ to abort: "terminate called without an
+#: active exception").
+_WORKERS: weakref.WeakSet[BackgroundTuner] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    workers = list(_WORKERS)
+    for worker in workers:
+        worker.stop()
+    for worker in workers:
+        worker.join(timeout=10.0)
 
 
 class Tunable(Protocol):
@@ -97,6 +114,7 @@ class BackgroundTuner:
         self._queue: collections.deque[_Job] = collections.deque()
         self._condition = threading.Condition()
         self._thread: threading.Thread | None = None
+        _WORKERS.add(self)
         self._running: _Job | None = None
         self._stopped = False
         self._afresh = False
@@ -186,6 +204,12 @@ class BackgroundTuner:
             self._condition.notify_all()
         for undo in dropped:
             undo()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the worker thread to end (after `stop`)."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def _work(self) -> None:
         while True:

@@ -163,7 +163,12 @@ class Registration:
         return list(self._context.candidates)
 
     def _pending_count(self) -> int:
-        return sum(1 for t in self._targets.values() if t.state in (TargetState.ARMED, TargetState.TUNING))
+        """Targets the progress bar waits for: armed or tuning, and called at least once (an armed target that is never
+        called, such as a VAE's encoder stages in a text-to-image pipeline, would hold the bar open, short of its
+        total, until detach)."""
+        return sum(
+            1 for t in self._targets.values() if t.state in (TargetState.ARMED, TargetState.TUNING) and not t.idle
+        )
 
     # -- checks and installation --------------------------------------------------------------------
     @staticmethod
@@ -377,6 +382,13 @@ class Registration:
             yield notes
         finally:
             self._local.notes = prior
+
+    @property
+    def replaying(self) -> bool:
+        """True inside a replay of a whole call in this thread (a check of its new shapes, or the gate): boundaries
+        reached in it are part of that call (a thread other than the caller's has no whole call of its own)."""
+        notes = getattr(self._local, "notes", None)
+        return notes is not None and (notes.replay or notes.gating)
 
     @property
     def may_defer_new_shapes(self) -> bool:

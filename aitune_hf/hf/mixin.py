@@ -196,7 +196,7 @@ class AITuneMixin:
         """One whole call (`__call__`, `generate`, `encode`, `decode`). A boundary reached inside another one on
         the same thread (each forward of generate(), the decode() inside a VAE's forward) is part of it."""
         state: _AITuneState | None = self.__dict__.get("_aitune_state")
-        if state is None or state.registration.detached or state.schedule.in_whole_call:
+        if state is None or state.registration.detached or state.schedule.in_whole_call or state.registration.replaying:
             return call(*args, **kwargs)
         with state.schedule.whole_call():
             return self._aitune_whole_call(state, call, args, kwargs)

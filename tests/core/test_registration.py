@@ -9,7 +9,7 @@ from torch import nn
 from aitune_hf import OneBackend, TargetState, TuningConfig, get_target, register
 from aitune_hf.core import slots
 from aitune_hf.errors import InputTypeError
-from tests.core.modules import CudaOnlyBackend, MLPBlock
+from tests.core.modules import CudaOnlyBackend, MLPBlock, RaisingBackend
 
 MANUAL = {"backends": [], "progress": False}
 
@@ -242,3 +242,22 @@ def test_get_target_finds_a_block_from_the_module_itself() -> None:
         get_target("model.0")
     registration.detach()
     assert get_target(model[1]) is None
+
+
+def test_the_progress_bar_closes_once_every_target_called_is_decided(capsys) -> None:
+    """A target armed and never called (a VAE's encoder stages in a text-to-image pipeline) does not hold the bar open
+    short of its total: the bar closes (its line cleared, leave=False) when the targets called are decided, so the
+    next line printed starts on a line of its own."""
+    called, never = MLPBlock(8).eval(), MLPBlock(8).eval()
+    config = {"progress": True, "warmup": 1, "repeats": 3, "backends": [RaisingBackend()]}
+    registration = register({"called": called, "never": never}, config)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        called(x)
+        registration.tune()
+        called(x)  # tunes "called" (its one candidate fails: eager kept); "never" stays armed
+    assert registration.targets["never"].armed and registration.targets["called"].decided
+    err = capsys.readouterr().err
+    assert "aitune_hf tuning" in err and "1/1" in err, repr(err)
+    assert err.endswith("\r"), repr(err[-120:])  # closed: tqdm cleared its line (an open bar ends in its text)
+    registration.detach()

@@ -221,6 +221,36 @@ def test_with_background_tuning_no_caller_runs_a_gate_and_every_call_stays_withi
     model.disable_aitune()
 
 
+@pytest.mark.skipif(hardware.cpu_int8_reason() is not None, reason=str(hardware.cpu_int8_reason()))
+def test_under_sentence_transformers_new_lengths_run_eager_and_are_checked_off_the_callers_thread(st_path) -> None:
+    """The issue-32 traffic through sentence-transformers' encode() (nested whole-call boundaries: the wrapper's and
+    its model's): queries of lengths never seen get eager's embeddings at once; a replay of each call on the worker
+    checks every built block at its length (the replay is part of that call: it defers nothing again), and then the
+    same queries are served by the builds, within the budget."""
+    model = sentence_transformers.SentenceTransformer(st_path, device="cpu")
+    texts, queries = corpus(32), corpus(4, seed=3, longest=60)
+    eager_queries = [model.encode(q, convert_to_tensor=True) for q in queries]
+    registration = enable_aitune(model, **ORT_FAMILY, precision=["int8"], quality={"cosine": 0.98})
+    for _ in range(2):  # records, tunes; one query tunes the single-sentence family (no mask) at its next call
+        model.encode(texts, batch_size=16)
+        model.encode("a short query")
+    model.encode("a short query")
+    assert registration.all_tuned and registration.wait(timeout=300), registration.report()
+    checks, before = _checks(registration), _served(registration)
+    first = [model.encode(q, convert_to_tensor=True) for q in queries]
+    for got, want in zip(first, eager_queries, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)  # first sight: eager's output, nothing checked here
+    assert registration.wait(timeout=300), registration.worker.status()
+    built = sum(t.state is TargetState.TUNED for t in registration.targets.values())
+    assert _checks(registration) - checks == len(queries) * built, registration.report()
+    before = _served(registration)
+    again = [model.encode(q, convert_to_tensor=True) for q in queries]
+    assert min(_cosine(a, b) for a, b in zip(again, eager_queries, strict=True)) >= 0.98
+    served = _served(registration)
+    assert served.get("eager", 0) - before.get("eager", 0) < len(queries) * len(registration.targets), served
+    model.disable_aitune()
+
+
 RSS_SCRIPT = r"""
 import ctypes, gc, json, sys
 from pathlib import Path
