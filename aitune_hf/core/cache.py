@@ -540,7 +540,7 @@ class Consultation:
     def store(self, decision: Any, signatures: Sequence[InputSignature], new_decision: bool, owner: Any = None) -> None:
         """Write `decision` (when `new_decision`) and the artifact its build wrote (when it built one).
 
-        `owner`: the identical sibling's decision that `decision` reuses (`Target._reuse`), else None. Siblings
+        `owner`: the identical sibling's decision that `decision` reuses (`Sourcing._shared`), else None. Siblings
         that differ only in plain values (a layer index) have keys of their own, and the artifact this sibling
         built (its own weights) goes under its key; so does the shared decision, where this entry holds no positive
         one, so that the entry is whole (`aitune-hf cache verify`) and a later process that meets this module first,

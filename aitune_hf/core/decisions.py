@@ -5,8 +5,9 @@ A `Decision` is a record: the backend that serves (None: eager) and its precisio
 every candidate's figures). Beside the record it carries what serving needs: the built callable, the guard of the
 module state it was built in, and for a reduced-precision winner the fp32 candidate it falls back to.
 
-Sources:
-- "tuned": a strategy chose in this process (`Strategy.decide`), or an identical sibling's tuned decision was reused.
+Sources (set by `core/sourcing.py`, where a decision comes from; the report says them: `SignatureReport.source`):
+- "tuned": a strategy chose in this process (`Strategy.decide`).
+- "shared": an identical sibling's decision in this process, its winner built here and checked on the recorded calls.
 - "cache": read from the persistent cache (`core/cache.py`) and checked on the recorded calls before it serves.
 - "pinned": the target cannot be tuned where it stands (`Target.pin_eager`): eager for good, with no evidence.
 """
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from aitune_hf.core.report import SignatureReport
 
 #: Where a decision came from.
-Source = Literal["tuned", "cache", "pinned"]
+Source = Literal["tuned", "shared", "cache", "pinned"]
 
 
 @dataclass

@@ -82,6 +82,20 @@ class SignatureReport:
     demoted: str | None = None  # a reduced-precision winner the end-to-end quality gate sent back to fp32, and why
 
     @property
+    def source(self) -> str:
+        """Where the decision came from (`core/sourcing.py`, which sets it with `Decision.source`): "shared" (an
+        identical sibling's, `shared_from`), "cache" (`from_cache`) or "tuned" (here). Read from the fields the cache
+        stores, so a report read back says it too."""
+        return "shared" if self.shared_from else "cache" if self.from_cache else "tuned"
+
+    @property
+    def source_text(self) -> str:
+        """`source` as the report says it: "shared with <sibling>", "from the cache" or "tuned here"."""
+        if self.shared_from:
+            return f"shared with {self.shared_from}"
+        return "from the cache" if self.from_cache else "tuned here"
+
+    @property
     def chosen_latency_s(self) -> float | None:
         if self.chosen == "eager":
             return self.eager_latency_s
@@ -212,13 +226,14 @@ class TuningReport:
             if report.idle:  # listed in the summary, not as a row
                 continue
             note = report.reason or ""
-            shared = next((s.shared_from for s in report.signatures if s.shared_from), None)
-            if shared:  # the timings shown are the sibling's: this block was checked, not timed
+            # Where the decision came from, where not here: the timings shown are then the sibling's (this block was
+            # checked, not timed) or an earlier process's.
+            source = next((s for kind in ("shared", "cache") for s in report.signatures if s.source == kind), None)
+            if source is not None:
                 note = f"{note}; " if note else ""
-                note += f"decision and timings shared with {shared}"
-            elif any(s.from_cache for s in report.signatures):  # the timings shown are an earlier process's
-                note = f"{note}; " if note else ""
-                note += "decision and timings from the cache (winner built alone, checked against eager)"
+                note += f"decision and timings {source.source_text}"
+                if source.source == "cache":
+                    note += " (winner built alone, checked against eager)"
             shapes = sum(s.shapes for s in report.signatures if s.chosen != "eager")
             checks = sum(s.shape_checks for s in report.signatures)
             if checks or shapes > len(report.signatures):

@@ -6,12 +6,13 @@ States (`TargetState`, the one source of truth, changed only through `Target._mo
     TUNED / EAGER --arm (tune(), or a guard failure with `retune`)--> ARMED
     any --detach--> DETACHED;  any --pin_eager--> EAGER (for good)
 
-Routes: after tuning, each input signature has routes, each a backend built in one module state, behind a
-`ModuleGuard` that says whether that state still holds. A call is served by the first route of its
-signature whose guard holds. When none holds, the module state changed since the route was built (a LoRA
-scale, FreeU, an adapter, an edited weight): the call runs eager at once, is recorded, and with
-`config.retune` the target re-tunes at its next call, adding a route for the new state. Routes per target
-are bounded by `config.max_routes`; beyond that, calls in new states run eager and the report says why.
+Routes (`core/routes.py`): after tuning, each input signature has routes, each a backend built in one module state,
+behind a `ModuleGuard` that says whether that state still holds. Where a decision comes from (an identical sibling,
+the cache, or a new tuning) is `core/sourcing.py`'s. A call is served by the first route of its signature whose
+guard holds. When none holds, the module state changed since the route was built (a LoRA scale, FreeU, an adapter,
+an edited weight): the call runs eager at once, is recorded, and with `config.retune` the target re-tunes at its
+next call, adding a route for the new state. Routes per target are bounded by `config.max_routes`; beyond that,
+calls in new states run eager and the report says why.
 
 Tuning is contained: only KeyboardInterrupt / SystemExit leave it. Anything else that goes wrong while
 recording, computing references, building, checking or timing leaves the signature eager with the reason,
@@ -22,41 +23,37 @@ from __future__ import annotations
 
 import collections
 import copy
-import dataclasses
 import enum
 import functools
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch._C._dynamo.eval_frame import set_eval_frame  # what torch.compiler.disable calls around a function
 
-from aitune_hf.backends.base import Backend, BuiltBackend, build_context
-from aitune_hf.core.cache import Consultation, consult
+from aitune_hf.backends.base import Backend
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.decisions import Decision
 from aitune_hf.core.guards import ModuleGuard
-from aitune_hf.core.keys import build_state, key_fields, state_fingerprint
 from aitune_hf.core.precision import block_budget
 from aitune_hf.core.reasons import details, summarize
-from aitune_hf.core.report import CandidateResult, ModuleReport, SignatureReport
+from aitune_hf.core.report import ModuleReport, SignatureReport
 from aitune_hf.core.rng import DrawsRandomNumbers
+from aitune_hf.core.routes import Route
 from aitune_hf.core.signature import (
     InputSignature,
     Sample,
     ShapeFamily,
     call_context,
-    covers,
     describe_family,
-    layout_of,
     signature_of,
     training_reason,
 )
 from aitune_hf.core.slots import ForwardSlot, all_slots, locate_slot
+from aitune_hf.core.sourcing import Sourcing
 from aitune_hf.core.strategy import NoEvidence, TuningJob
 from aitune_hf.core.timing import Stopwatch
 from aitune_hf.errors import UsageError
@@ -100,40 +97,6 @@ _TRANSITIONS: dict[TargetState, frozenset[TargetState]] = {
     _S.EAGER: frozenset({_S.ARMED, _S.TUNED, _S.RECORDING, _S.DETACHED}),
     _S.DETACHED: frozenset({_S.RECORDING}),  # only to undo a failed descend()
 }
-
-
-@dataclass(eq=False)
-class _Route:
-    """How calls of one signature (or of the shapes of one family) are served in one module state."""
-
-    backend: Backend | None  # None: eager
-    built: BuiltBackend | None
-    report: SignatureReport
-    guard: ModuleGuard  # the module state the decision was made in
-    reference: InputSignature | None = None  # a shape it was built on, for `covers`
-    family_wide: bool = False  # an eager decision for a whole shape family: it covers every shape of it
-    #: A reduced-precision decision: the fp32 candidate (backend, built, guard) it falls back to, None for eager.
-    fallback: tuple[Backend, BuiltBackend, ModuleGuard] | None = None
-    #: True until the end-to-end quality gate accepts this reduced-precision decision: the fallback serves meanwhile.
-    provisional: bool = False
-    #: A new shape of a reduced-precision family (`new_shape_of` is the family's route, `reference` the shape): its
-    #: block check passed, and it waits for the end-to-end gate of the call it came in; eager serves meanwhile.
-    new_shape_of: _Route | None = None
-    #: The relative error the block check measured at that new shape (what the gate demotes by, largest first).
-    rel_error: float | None = None
-
-    def holds(self) -> str | None:
-        """None when this route may serve now, else what changed."""
-        return self.guard.check()
-
-    def covers(self, signature: InputSignature) -> bool:
-        """True when the built backend takes `signature`'s shapes (a polymorphic build, sizes in its range)."""
-        if self.family_wide:
-            return True
-        built = self.built
-        if built is None or built.dynamic_dims is None or self.reference is None:
-            return False
-        return covers(self.reference, built.dynamic_dims, signature)
 
 
 class _ForwardRouter:
@@ -207,9 +170,9 @@ class Target:
         self._demoted: str | None = None
         #: What changed, for the most recent guard failures.
         self.changes: collections.deque[str] = collections.deque(maxlen=_CHANGES_KEPT)
-        self._routes: dict[InputSignature, list[_Route]] = {}
+        self._routes: dict[InputSignature, list[Route]] = {}
         #: Polymorphic routes by shape family: a call of a new shape they cover is checked once, then served.
-        self._families: dict[ShapeFamily, list[_Route]] = {}
+        self._families: dict[ShapeFamily, list[Route]] = {}
         #: (signature, route) pairs whose one-time check failed: those calls run eager without a second check.
         self._rejected: set[tuple[InputSignature, int]] = set()
         #: New shapes whose check a whole call left to a replay off its thread (`CallNotes.defer`): eager until then.
@@ -254,7 +217,7 @@ class Target:
         return not self.calls_served and not self._routes and not self.samples and self._pinned is None
 
     @property
-    def routes(self) -> tuple[_Route, ...]:
+    def routes(self) -> tuple[Route, ...]:
         """Every route this target holds now, over all its signatures (a snapshot, for reading)."""
         return tuple(route for routes in self._routes.values() for route in routes)
 
@@ -477,7 +440,7 @@ class Target:
                 if route.backend is not None and route.backend.precision != "fp32" and self._context.gate_required:
                     # Reduced precision at a shape the end-to-end gate never saw: a block's error at a new shape can
                     # add up to more in the whole output (more rows, longer sequences). This call's end gates it.
-                    route = _Route(
+                    route = Route(
                         route.backend,
                         built,
                         report,
@@ -493,7 +456,7 @@ class Target:
         self._count("eager")
         return output
 
-    def _lookup(self, signature: InputSignature) -> tuple[_Route | None, str | None]:
+    def _lookup(self, signature: InputSignature) -> tuple[Route | None, str | None]:
         """The first route of `signature` whose guard holds; else (None, what changed, if it has routes)."""
         routes = self._routes.get(signature)
         if not routes:
@@ -506,7 +469,7 @@ class Target:
             change = change or failed
         return None, change
 
-    def _serve(self, signature: InputSignature, route: _Route, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _serve(self, signature: InputSignature, route: Route, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         built, chosen = route.built, route.report.chosen
         notes = self._context.notes()
         if route.provisional and notes is not None:
@@ -539,7 +502,7 @@ class Target:
         return output
 
     # -- the end-to-end gate of reduced precision (`Registration.gate`) ---------------------------------------------
-    def provisional(self) -> list[_Route]:
+    def provisional(self) -> list[Route]:
         """The reduced-precision routes waiting for the end-to-end gate."""
         return list({id(r): r for rs in self._routes.values() for r in rs if r.provisional}.values())
 
@@ -553,14 +516,14 @@ class Target:
         with self._lock:
             self._pending.discard(signature)
 
-    def accept(self, route: _Route) -> None:
+    def accept(self, route: Route) -> None:
         """The gate passed: the reduced-precision decision serves from now on."""
         with self._lock:
             if route.new_shape_of is not None and route.provisional:
                 route.report.shapes += 1
             route.provisional = False
 
-    def demote(self, route: _Route, why: str) -> None:
+    def demote(self, route: Route, why: str) -> None:
         """The gate failed with this route among the worst: its fp32 fallback serves it from now on. Where none was
         built (the reduced precision won clearly, so fp32 was not tried), the route is dropped and the target tunes
         again, in fp32 only: the next call of the signature runs eager and is recorded, the one after tunes."""
@@ -729,17 +692,19 @@ class Target:
         except DrawsRandomNumbers as error:
             count = sum(len(kept) for kept in samples.values())
             report = SignatureReport(described, count, reason=str(error))
-            self._add_route(signatures, _Route(None, None, report, ModuleGuard(self.module)))
+            self._add_route(signatures, Route(None, None, report, ModuleGuard(self.module)))
             return
         except Exception as error:
             reason = f"the eager forward raised when replayed for tuning: {summarize(error)}"
             logger.warning("%s: %s", self.name, reason, exc_info=True)
             count = sum(len(kept) for kept in samples.values())
             report = SignatureReport(described, count, reason=reason, details=details(error))
-            self._add_route(signatures, _Route(None, None, report, ModuleGuard(self.module)))
+            self._add_route(signatures, Route(None, None, report, ModuleGuard(self.module)))
             return
         try:
-            decision = self._shared_or_new(job, signatures, dynamic)
+            decision = Sourcing(self.name, self.module, self._context, self.unavailable_reason).decide(
+                job, signatures, dynamic
+            )
         except Exception as error:
             reason = f"tuning failed: {summarize(error)}"
             logger.warning("%s: %s", self.name, reason, exc_info=True)
@@ -752,12 +717,12 @@ class Target:
         if self._demoted is not None:  # this decision replaces a reduced-precision one the gate sent back
             decision.report.demoted, self._demoted = self._demoted, None
         family_wide = dynamic and decision.built is None
-        route = _Route(decision.backend, decision.built, decision.report, guard, job.signature, family_wide)
+        route = Route(decision.backend, decision.built, decision.report, guard, job.signature, family_wide)
         if decision.backend is not None and decision.backend.precision != "fp32":
             route.fallback, route.provisional = decision.fallback, context.gate_required
         self._add_route(signatures, route)
 
-    def _add_route(self, signatures: list[InputSignature], route: _Route) -> None:
+    def _add_route(self, signatures: list[InputSignature], route: Route) -> None:
         self._no_evidence = None
         # Copy on write: other threads read the routes without the lock.
         routes = dict(self._routes)
@@ -767,128 +732,6 @@ class Target:
         if route.family_wide or (route.built is not None and route.built.dynamic_dims is not None):
             family = signatures[0].family
             self._families = {**self._families, family: [*self._families.get(family, ()), route]}
-
-    def _shared_or_new(self, job: TuningJob, signatures: list[InputSignature], dynamic: bool) -> Decision:
-        """An identical sibling's decision, a cached one (`core/cache.py`), or a new one; each checked on the
-        recorded calls before it serves. A new decision, and the artifact its build wrote, go to the cache."""
-        context = self._context
-        key = _sibling_key(self.module, signatures) if context.config.share_identical else None
-        shared = context.decisions.get(key) if key is not None else None
-        # Computed once, when first asked for: by the cache's key, and by builds that share work (`build_state`).
-        fingerprint = functools.cache(lambda: state_fingerprint(self.module))
-        with (
-            consult(context.cache, self.module, lambda: key_fields(
-                self.module, signatures, dynamic, context.config, context.candidates, repr(context.strategy),
-                layout_of(job.samples[0].args, job.samples[0].kwargs), fingerprint(),
-            )) as entry,
-            build_context(
-                place=entry.place if entry is not None else None,
-                shared={},
-                private_only=context.background is not None,
-                state=functools.cache(lambda: build_state(fingerprint(), self.module.training, signatures, dynamic)),
-            ),
-        ):  # fmt: skip
-            decision = None
-            # A sibling's decision, not this target's own: its own earlier one was made in another module state.
-            if shared is not None and shared[0] != self.name:
-                decision = self._reuse(job, shared)
-            if decision is None and entry is not None and entry.record is not None:
-                decision = self._from_cache(job, entry)
-            new = decision is None
-            if new:
-                for name, why, precision in context.skipped:
-                    job.report.candidates.append(CandidateResult(name, error=f"skipped: {why}", precision=precision))
-                if context.background is not None:  # nothing to reuse: a full tuning (a warming replica stops waiting)
-                    context.background.afresh = True
-                decision = context.strategy.decide(job, context.candidates)
-            if entry is not None:
-                stats = entry.cache.stats
-                stats.hits += decision.report.from_cache is not None  # its own, or its sibling's, from the cache
-                stats.misses += new
-                entry.store(decision, signatures, new_decision=new, owner=shared[1] if shared else None)
-        if key is not None and (shared is None or new):
-            context.decisions[key] = (self.name, decision)
-        return decision
-
-    def _from_cache(self, job: TuningJob, entry: Consultation) -> Decision | None:
-        """The cached decision, its winner built alone (from its cached artifact where one fits) and checked on
-        every recorded call; None to tune in full (its winner is not a candidate here, or it failed)."""
-        record = entry.record
-        assert record is not None
-        figures = record["report"]
-        job.report.from_cache = entry.key
-        job.report.eager_latency_s = figures.get("eager_latency_s")
-        if record["chosen"] == "eager":
-            return dataclasses.replace(job.keep_eager(figures.get("reason") or "eager kept"), source="cache")
-        backend = next((b for b in self._context.candidates if b.describe() == record["backend"]), None)
-        ruled_out = self.unavailable_reason(backend) if backend is not None else None
-        if backend is None or ruled_out is not None:  # not a candidate here (the gate sent reduced precision back)
-            if ruled_out is not None:
-                logger.info("%s: cached winner %s is ruled out here (%s); tuning afresh", self.name, record["backend"],
-                            ruled_out)  # fmt: skip
-            job.report.from_cache = None
-            return None
-        result, built = job.try_backend(backend)
-        if built is None:
-            entry.cache.stats.problems.append(f"{entry.key}: cached winner {result.backend} failed: {result.error}")
-            logger.warning("%s: cached winner %s failed here (%s); tuning afresh", self.name, result.backend,
-                           result.error)  # fmt: skip
-            job.report.candidates.clear()
-            job.report.from_cache = None
-            return None
-        original = next((c for c in figures.get("candidates", ()) if c.get("backend") == result.backend), {})
-        result.latency_s, result.speedup = original.get("latency_s"), original.get("speedup")
-        decision = job.choose(backend, result, built, self._cached_fallback(job, figures, backend))
-        return dataclasses.replace(decision, source="cache")
-
-    def _cached_fallback(
-        self, job: TuningJob, figures: dict[str, Any], winner: Backend
-    ) -> tuple[Backend, CandidateResult, BuiltBackend] | None:
-        """For a cached reduced-precision winner: the best fp32 candidate of the cached figures, built, for the
-        end-to-end gate to fall back to (None: eager)."""
-        if winner.precision == "fp32":
-            return None
-        fp32 = [
-            c for c in figures.get("candidates", ())
-            if c.get("precision", "fp32") == "fp32" and (c.get("speedup") or 0.0) >= job.config.min_speedup
-        ]  # fmt: skip
-        for figure in sorted(fp32, key=lambda c: -(c.get("speedup") or 0.0)):
-            backend = next((b for b in self._context.candidates if b.describe() == figure.get("backend")), None)
-            if backend is None:
-                continue
-            result, built = job.try_backend(backend)
-            if built is not None:
-                result.latency_s, result.speedup = figure.get("latency_s"), figure.get("speedup")
-                return backend, result, built
-        return None
-
-    def _reuse(self, job: TuningJob, shared: tuple[str, Decision]) -> Decision | None:
-        """Apply an identical sibling's decision, checked for correctness only; None to tune in full."""
-        owner, decision = shared
-        report = job.report
-        report.shared_from = owner
-        report.from_cache = decision.report.from_cache
-        report.eager_latency_s = decision.report.eager_latency_s
-        if decision.backend is None:  # the owner's source: where its decision came from (tuned, or the cache)
-            return dataclasses.replace(job.keep_eager(decision.report.reason or "eager kept"), source=decision.source)
-        with build_context(sibling=True):
-            result, built = job.try_backend(decision.backend)
-        if built is None:
-            report.shared_from = report.from_cache = None
-            report.candidates.clear()
-            return None
-        original = next(c for c in decision.report.candidates if c.backend == result.backend)
-        result.latency_s, result.speedup = original.latency_s, original.speedup
-        fallback = None
-        if decision.fallback is not None:  # a reduced-precision decision: the sibling's fp32 fallback too
-            with build_context(sibling=True):
-                fallback_result, fallback_built = job.try_backend(decision.fallback[0])
-            if fallback_built is not None:
-                figures = next((c for c in decision.report.candidates if c.backend == fallback_result.backend), None)
-                if figures is not None:  # the owner's timings, as for the winner (a cached copy falls back by them)
-                    fallback_result.latency_s, fallback_result.speedup = figures.latency_s, figures.speedup
-                fallback = (decision.fallback[0], fallback_result, fallback_built)
-        return dataclasses.replace(job.choose(decision.backend, result, built, fallback), source=decision.source)
 
     def _settle(self, note: str | None = None) -> None:
         """Leave TUNING (or re-read the routes): TUNED if a route serves, EAGER if all are eager, else RECORDING
@@ -936,11 +779,3 @@ class Target:
 
     def __repr__(self) -> str:
         return f"Target({self.name!r}, {type(self.module).__name__}, state={self._state})"
-
-
-def _sibling_key(module: torch.nn.Module, signatures: list[InputSignature]) -> tuple[Any, ...]:
-    """Modules with equal keys are interchangeable for a backend choice."""
-    tensors = tuple(
-        (name, tuple(t.shape), t.dtype, t.device) for name, t in [*module.named_parameters(), *module.named_buffers()]
-    )
-    return type(module), tensors, frozenset(signatures)

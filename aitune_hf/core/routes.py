@@ -1,0 +1,56 @@
+"""A route: what serves the calls of one input signature (or of the shapes of one family) of a target, in one module
+state: the backend chosen and its build (None: eager), the report of that decision, the guard of the module state it
+was built in, and for a polymorphic build the shape it was built on (`covers`: may a new shape of its family be
+checked against it). A target keeps its routes by signature (`core/target.py`) and serves a call by the first whose
+guard holds (`holds`).
+
+A reduced-precision route also carries its fp32 fallback and whether it waits for the end-to-end quality gate
+(`provisional`); a new shape admitted by a block check waits as a route of its own (`new_shape_of`).
+
+Routes are mutable on purpose, under their target's lock: a backend that raises while serving leaves its route eager,
+and the gate swaps a route to its fallback; readers without the lock see either state, never a torn one (a copy of the
+route table is published on every change).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aitune_hf.backends.base import Backend, BuiltBackend
+from aitune_hf.core.guards import ModuleGuard
+from aitune_hf.core.report import SignatureReport
+from aitune_hf.core.signature import InputSignature, covers
+
+
+@dataclass(eq=False)
+class Route:
+    """How calls of one signature (or of the shapes of one family) are served in one module state."""
+
+    backend: Backend | None  # None: eager
+    built: BuiltBackend | None
+    report: SignatureReport
+    guard: ModuleGuard  # the module state the decision was made in
+    reference: InputSignature | None = None  # a shape it was built on, for `covers`
+    family_wide: bool = False  # an eager decision for a whole shape family: it covers every shape of it
+    #: A reduced-precision decision: the fp32 candidate (backend, built, guard) it falls back to, None for eager.
+    fallback: tuple[Backend, BuiltBackend, ModuleGuard] | None = None
+    #: True until the end-to-end quality gate accepts this reduced-precision decision: the fallback serves meanwhile.
+    provisional: bool = False
+    #: A new shape of a reduced-precision family (`new_shape_of` is the family's route, `reference` the shape): its
+    #: block check passed, and it waits for the end-to-end gate of the call it came in; eager serves meanwhile.
+    new_shape_of: Route | None = None
+    #: The relative error the block check measured at that new shape (what the gate demotes by, largest first).
+    rel_error: float | None = None
+
+    def holds(self) -> str | None:
+        """None when this route may serve now, else what changed."""
+        return self.guard.check()
+
+    def covers(self, signature: InputSignature) -> bool:
+        """True when the built backend takes `signature`'s shapes (a polymorphic build, sizes in its range)."""
+        if self.family_wide:
+            return True
+        built = self.built
+        if built is None or built.dynamic_dims is None or self.reference is None:
+            return False
+        return covers(self.reference, built.dynamic_dims, signature)
