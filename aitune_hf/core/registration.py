@@ -387,7 +387,7 @@ class Registration:
     def replaying(self) -> bool:
         """True inside a replay of a whole call in this thread (a check of its new shapes, or the gate): boundaries
         reached in it are part of that call (a thread other than the caller's has no whole call of its own)."""
-        notes = getattr(self._local, "notes", None)
+        notes = self._context.notes()
         return notes is not None and (notes.replay or notes.gating)
 
     @property
