@@ -31,6 +31,8 @@ class CallNotes:
         deferred: (target, signature) of each new shape left unchecked.
         met: (target, route) of each route waiting for the gate that the call met (served by its fallback, or by
             itself in the gate's replay).
+        tuned_s: seconds the targets tuned inside the call (each target counts them in its own tuning seconds; a
+            gate's replay leaves them out of its own).
     """
 
     defer: bool = False
@@ -38,6 +40,7 @@ class CallNotes:
     gating: bool = False
     deferred: list[tuple[Any, Any]] = field(default_factory=list)
     met: list[tuple[Any, Any]] = field(default_factory=list)
+    tuned_s: float = 0.0
 
     def meet(self, target: Any, route: Any) -> None:
         if not any(r is route for _, r in self.met):

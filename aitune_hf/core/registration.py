@@ -23,6 +23,7 @@ from aitune_hf.core.quality import QualityFigure, measure
 from aitune_hf.core.report import ModuleReport, TuningReport
 from aitune_hf.core.strategy import Strategy, resolve_strategy
 from aitune_hf.core.target import Target, TargetState
+from aitune_hf.core.timing import Stopwatch
 from aitune_hf.errors import InputTypeError, UsageError, UserInputError
 
 logger = logging.getLogger(__name__)
@@ -419,11 +420,11 @@ class Registration:
     def _gate(self, reference: Any, replay: Callable[[], Any], tunes: bool) -> QualityFigure | None:
         waiting: list[tuple[Target, Any]] | None = None
         demoted: list[str] = []
-        replays = 0
+        replays, spent = 0, 0.0  # the replays' seconds, less the tunings inside them (counted by their targets)
         while True:
-            with self.noting(gating=True, replay=not tunes) as notes:
+            with Stopwatch() as watch, self.noting(gating=True, replay=not tunes) as notes:
                 output = replay()
-            replays += 1
+            replays, spent = replays + 1, spent + max(watch.seconds - notes.tuned_s, 0.0)
             if waiting is None:  # what this call met is what its gate judges (others wait for a call that meets them)
                 waiting = [(t, r) for t, r in notes.met if r.provisional]
                 if not waiting:
@@ -443,9 +444,9 @@ class Registration:
         if tunes and any(self._targets[name].armed for name in demoted if name in self._targets):
             # A block sent back with no fp32 build tunes in fp32 at its next call: this replay is that call, so the
             # call that tuned ends with every block decided (never left armed for a later request to tune).
-            with self.noting(gating=True):
+            with Stopwatch() as watch, self.noting(gating=True) as notes:
                 replay()
-            replays += 1
+            replays, spent = replays + 1, spent + max(watch.seconds - notes.tuned_s, 0.0)
         earlier = self.quality or {}  # the gates before this one (the tuning call's, then calls with new shapes)
         shown = dataclasses.asdict(figure)
         if earlier and not earlier["value"] > figure.value:  # the worst call gated is the one shown
@@ -456,6 +457,7 @@ class Registration:
             "demoted": [*earlier.get("demoted", []), *demoted],
             "replays": earlier.get("replays", 0) + replays,
             "gates": earlier.get("gates", 0) + 1,
+            "seconds": earlier.get("seconds", 0.0) + spent,
         }
         logger.info("end-to-end quality gate: %s; %d block(s) back to fp32", figure.text(), len(demoted))
         return figure

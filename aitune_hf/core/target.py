@@ -646,6 +646,8 @@ class Target:
                         del self.samples[signature]  # released once decided; kept if interrupted
                         self._recorded_by_signature.pop(signature, None)
             self.tuning_seconds += watch.seconds
+            if (notes := self._context.notes()) is not None:
+                notes.tuned_s += watch.seconds
             logger.info("%s: tuning took %.1f s", self.name, watch.seconds)
         except BaseException:  # KeyboardInterrupt / SystemExit: _decide contains everything else
             interrupted = "tuning was interrupted; call tune() to try again"
