@@ -333,7 +333,7 @@ class TuningJob:
                 continue
             result.latency_s = timing.latencies[result.backend]
             result.speedup = timing.speedups[result.backend]
-            result.rounds = timing.rounds
+            result.rounds = timing.timed.get(result.backend, timing.rounds)  # fewer where it was retired early
             self.bounds[result.backend] = timing.bounds[result.backend]
             survivors.append(result)
         return survivors

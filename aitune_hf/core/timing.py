@@ -44,7 +44,8 @@ class Timing:
     the machine's speed cancels within a round), `bounds[name]` its (lower, upper) confidence bounds by the sign
     test (`median_bounds`); both are empty without a baseline. `seconds[name]` is how long `name` ran, warm-up
     included (not the copies of inputs made between runs). `stopped` says why timing ended: "settled" (the rule
-    decided every candidate), "max_rounds", or "deadline".
+    decided every candidate), "max_rounds", or "deadline". `rounds` is how many rounds were timed, `timed[name]` in
+    how many of them `name` ran (fewer once it was retired: it could no longer be the choice).
     """
 
     latencies: dict[str, float]
@@ -54,6 +55,7 @@ class Timing:
     speedups: dict[str, float] = field(default_factory=dict)
     bounds: dict[str, tuple[float, float]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    timed: dict[str, int] = field(default_factory=dict)
 
 
 def median_bounds(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -105,7 +107,10 @@ def time_until_settled(
     (slower); a ratio within noise of s leaves lo <= s <= hi, and timing goes on. c is *decided* when it is settled
     against every threshold, or when another candidate d that is settled above every threshold is faster than c
     with confidence (the sign test's lower bound of the median of t_i(c) / t_i(d) exceeds 1): c can then no longer
-    be the choice. Timing stops after round n when n >= `min_rounds` and every live candidate is decided; else at
+    be the choice. From round `min_rounds` on, a candidate that can no longer be the choice (settled below every
+    threshold, or beaten so) is retired: it sits out the later rounds, and its figures are those of the rounds it
+    ran (a 0.84x candidate beside a 1.04x one near a 1.05 threshold no longer runs 15 rounds to settle nothing).
+    Timing stops after round n when n >= `min_rounds` and every live candidate is decided; else at
     `max_rounds`; else, once at least one round is timed, at the first round that ends past `deadline` (a `clock()`
     value). At confidence 0.95 the earliest stop is 5 rounds that all fall on one side of each threshold; one round
     on the other side needs 8, two need 11 (at most `max_rounds`). With no `thresholds` or no `baseline` it always
@@ -119,8 +124,9 @@ def time_until_settled(
     seconds: dict[str, float] = dict.fromkeys(names, 0.0)
     per_call = 1
     rounds, stopped = 0, "max_rounds"
+    retired: set[str] = set()
     for r in range(warmup + max_rounds):
-        live = [name for name in names if name not in failures]
+        live = [name for name in names if name not in failures and name not in retired]
         shift = r % len(live)
         for name in live[shift:] + live[:shift]:
             try:
@@ -137,9 +143,12 @@ def time_until_settled(
         if r < warmup:
             continue
         rounds += 1
-        if rounds >= min_rounds and _decided(times, failures, baseline, thresholds, confidence):
-            stopped = "settled"
-            break
+        if rounds >= min_rounds:
+            undecided, lost = _judge(times, failures | dict.fromkeys(retired), baseline, thresholds, confidence)
+            if not undecided:
+                stopped = "settled"
+                break
+            retired |= lost
         if rounds >= max_rounds:
             break
         if deadline is not None and clock() >= deadline:
@@ -152,6 +161,7 @@ def time_until_settled(
         rounds=rounds,
         stopped=stopped,
         seconds=seconds,
+        timed={name: len(t) for name, t in kept.items()},
     )
     if baseline is not None:
         for name in kept:
@@ -163,32 +173,40 @@ def time_until_settled(
 
 
 def _ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
-    return [a / b if b > 0 else math.inf for a, b in zip(numerator, denominator, strict=True)]
+    """Paired ratios of the rounds both ran (a retired candidate ran the first ones)."""
+    return [a / b if b > 0 else math.inf for a, b in zip(numerator, denominator, strict=False)]
 
 
-def _decided(
+def _judge(
     times: dict[str, list[float]],
-    failures: dict[str, Exception],
+    out: Mapping[str, Any],
     baseline: str | None,
     thresholds: Sequence[float],
     confidence: float,
-) -> bool:
-    """The sequential rule's stopping test (see `time_until_settled`)."""
+) -> tuple[bool, set[str]]:
+    """The sequential rule (see `time_until_settled`) over the candidates not in `out` (failed or retired): whether
+    any is still undecided, and those that can no longer be the choice (settled below every threshold, or beaten by a
+    candidate settled above every threshold), to retire."""
     if baseline is None or not thresholds:
-        return False
-    live = [name for name in times if name != baseline and name not in failures]
+        return True, set()
+    live = [name for name in times if name != baseline and name not in out]
     bounds = {name: median_bounds(_ratios(times[baseline], times[name]), confidence) for name in live}
-    settled = {name: all(lo > s or hi < s for s in thresholds) for name, (lo, hi) in bounds.items()}
     winners = [name for name in live if bounds[name][0] > max(thresholds)]
+    undecided, lost = False, set()
     for name in live:
-        if settled[name]:
+        lo, hi = bounds[name]
+        if hi < min(thresholds):
+            lost.add(name)
             continue
-        beaten = any(
+        if all(lo > s or hi < s for s in thresholds):
+            continue
+        if any(
             median_bounds(_ratios(times[name], times[other]), confidence)[0] > 1.0 for other in winners if other != name
-        )
-        if not beaten:
-            return False
-    return True
+        ):
+            lost.add(name)
+            continue
+        undecided = True
+    return undecided, lost
 
 
 def time_interleaved(

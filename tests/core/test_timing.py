@@ -93,6 +93,23 @@ def test_a_candidate_beaten_by_a_settled_winner_needs_no_threshold_decision(cloc
     assert result.stopped == "settled" and result.rounds == timing.MIN_ROUNDS
 
 
+def test_a_candidate_that_can_no_longer_win_sits_out_the_later_rounds(clock: ScriptedClock) -> None:
+    # "close" hovers at the threshold for all 15 rounds; "slow" (0.5x) is settled below it after 5 and stops running.
+    runs = {"slow": 0}
+
+    def slow() -> None:
+        runs["slow"] += 1
+        clock.now += 2.0
+
+    fns = {"eager": clock.runs([1.0]), "close": clock.runs(itertools.cycle([1 / 1.10, 1.0])), "slow": slow}
+    result = time_until_settled(fns, CALLS, warmup=1, max_rounds=15, baseline="eager", thresholds=(1.05,))
+    assert result.stopped == "max_rounds" and result.rounds == 15
+    assert result.timed == {"eager": 15, "close": 15, "slow": timing.MIN_ROUNDS}
+    assert runs["slow"] == 1 + timing.MIN_ROUNDS  # its warm-up and the rounds before it was retired
+    assert result.speedups["slow"] == pytest.approx(0.5) and result.bounds["slow"] == pytest.approx((0.5, 0.5))
+    assert result.seconds["slow"] == pytest.approx(2.0 * (1 + timing.MIN_ROUNDS))
+
+
 def test_every_threshold_must_be_settled(clock: ScriptedClock) -> None:
     # 1.30x is settled above 1.05 at once, and within noise of 1.30 (a second threshold) for good.
     fns = {"eager": clock.runs([1.0]), "fast": clock.runs(itertools.cycle([1 / 1.35, 1 / 1.25]))}
