@@ -379,8 +379,12 @@ class Registration:
         notes = CallNotes(defer=defer, replay=replay, gating=gating)
         prior = getattr(self._local, "notes", None)
         self._local.notes = notes
+        worker = self._context.background or self._checker
+        # A caller's call (not the worker's replays): the worker pauses while it runs (`BackgroundTuner.serving`).
+        serving = worker.serving() if worker is not None and not replay and prior is None else contextlib.nullcontext()
         try:
-            yield notes
+            with serving:
+                yield notes
         finally:
             self._local.notes = prior
 

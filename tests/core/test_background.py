@@ -5,6 +5,7 @@ made; backends that compile the live module are left out, and the report says wh
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -120,4 +121,47 @@ def test_a_block_that_cannot_be_pickled_tunes_in_this_process() -> None:
     model[0].note = lambda: "not picklable"
     registration = _tune_in_background(model, {"0": model[0]}, torch.randn(8, 64))
     assert _built_in(registration.targets["0"]) is None
+    registration.detach()
+
+
+def test_a_check_on_the_worker_pauses_while_a_caller_is_served() -> None:
+    """A check replays whole calls as heavy as the callers' (issue 32): while a caller's call is in flight it pauses
+    at each yield point (PAUSE_S at most, then it goes on), so unseen shapes served beside it cost a plain call."""
+    from aitune_hf.core.background import PAUSE_S, BackgroundTuner
+
+    tuner = BackgroundTuner("pause test")
+    stamps: list[float] = []
+    started = threading.Event()
+
+    def run() -> None:  # Python work: profile events at every call
+        started.set()
+        end = time.monotonic() + 1.0
+        while (now := time.monotonic()) < end:
+            stamps.append(now)
+
+    with tuner.serving():
+        assert tuner.callers == 1
+        assert tuner.submit_check("python work", run, lambda: None)
+        assert started.wait(30)
+        time.sleep(0.4)
+        served_until = time.monotonic()
+    assert tuner.callers == 0
+    assert tuner.wait(30)
+    during = [t for t in stamps if t < served_until]
+    after = [t for t in stamps if t > served_until + PAUSE_S]
+    assert after and len(during) / (served_until - during[0]) < 0.1 * len(after) / (after[-1] - after[0]), (
+        len(during),
+        len(after),
+    )
+    tuner.stop()
+
+
+def test_a_callers_call_is_served_but_the_workers_replay_is_not() -> None:
+    registration = register({"0": _model()[0]}, {**QUICK, "backends": ["onnxruntime"]})
+    worker = registration.worker
+    with registration.noting(defer=True):
+        assert worker.callers == 1
+    with registration.noting(replay=True):  # a check's replay on the worker
+        assert worker.callers == 0
+    assert worker.callers == 0
     registration.detach()
