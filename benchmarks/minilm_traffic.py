@@ -2,11 +2,13 @@
 
     python benchmarks/minilm_traffic.py            # writes benchmarks/results/minilm_traffic.md
     python benchmarks/minilm_traffic.py --quick
+    python benchmarks/minilm_traffic.py --targets auto --out benchmarks/results/minilm_traffic_targets_auto.md
 
 One torch thread (ONNX Runtime gets the same). A corpus of 256 sentences of 6-130 tokens; single-sentence queries.
 
 - **Tuning** (a fresh `SentenceTransformer`, `enable_aitune(model, backends=["onnxruntime", "openvino"])` on the
-  wrapper as the docs' recipe says; `--backends onnxruntime,openvino,inductor` for the default candidates):
+  wrapper as the docs' recipe says; `--backends onnxruntime,openvino,inductor` for the default candidates;
+  `--targets auto`: the whole model first, its layers where it stays eager):
   `encode(corpus[:128], batch_size=32)` twice (records, then tunes at the start of the second call), then eight
   queries of lengths from set A, one by one (the first records the query family, the next tunes it). Tuning
   seconds are the report's; memory is the process's RSS, after `gc` and `malloc_trim`, before enabling, after
@@ -193,6 +195,12 @@ def main() -> None:
         help="aitune's candidates, comma-separated (docs' CPU recipe: onnxruntime,openvino)",
     )
     parser.add_argument(
+        "--targets",
+        choices=("blocks", "auto"),
+        default="blocks",
+        help="aitune's targets: the encoder layers, or 'auto' (the whole model first, its layers where it stays eager)",
+    )
+    parser.add_argument(
         "--precision",
         choices=("fp32", "auto"),
         default="fp32",
@@ -217,7 +225,7 @@ def main() -> None:
         warm_up_export()
         before = rss_mb()
         with Stopwatch() as prepare:
-            registration = enable_aitune(tuned, backends=args.backends.split(","))
+            registration = enable_aitune(tuned, args.targets, backends=args.backends.split(","))
             tuned.encode(texts[:128], batch_size=32)
             tuned.encode(texts[:128], batch_size=32)
             for query in queries_a:
@@ -237,7 +245,7 @@ def main() -> None:
             forget_exports()
             backends = sorted({*args.backends.split(","), "inductor"})  # the bf16 candidate is a compile
             with Stopwatch() as prepare_auto:
-                registrations["aitune auto"] = enable_aitune(reduced, backends=backends, precision="auto")
+                registrations["aitune auto"] = enable_aitune(reduced, args.targets, backends=backends, precision="auto")
                 reduced.encode(texts[:128], batch_size=32)
                 reduced.encode(texts[:128], batch_size=32)
                 for query in queries_a:
@@ -312,7 +320,8 @@ def main() -> None:
         "# sentence-transformers: all-MiniLM-L6-v2, real traffic",
         "",
         f"`python benchmarks/{Path(__file__).name}{' --quick' if args.quick else ''}"
-        f"{' --precision auto' if args.precision == 'auto' else ''}` on {describe_machine()} "
+        f"{' --precision auto' if args.precision == 'auto' else ''}"
+        f"{' --targets auto' if args.targets == 'auto' else ''}` on {describe_machine()} "
         f"({platform.machine()}), 1 thread, torch {torch.__version__}, Python {sys.version.split()[0]}; "
         f"{rounds} interleaved rounds, medians; Inductor's on-disk cache empty at the start (cold compiles).",
         "",
@@ -320,7 +329,8 @@ def main() -> None:
         f"Queries timed: {len(queries_b)} single sentences of {set_b[0]}-{set_b[-1]} tokens, lengths never seen "
         f"while tuning (tuning saw the corpus' first 128 sentences and queries of {set_a[0]}-{set_a[-1]} tokens).",
         "",
-        f"aitune: `enable_aitune(model, backends={args.backends.split(',')})` on the `SentenceTransformer`"
+        f"aitune: `enable_aitune(model, {args.targets!r}, backends={args.backends.split(',')})` on the "
+        "`SentenceTransformer`"
         + ('; aitune auto: the same with `precision="auto"` and the inductor candidate.' if len(variants) > 1 else "."),
         "",
         f"| | {header} |",
