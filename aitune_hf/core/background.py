@@ -54,8 +54,9 @@ YIELD_EVERY = 1000
 YIELD_S = 1e-4
 #: While a caller's whole call is in flight (`BackgroundTuner.serving`), a check pauses at each of those points
 #: until none is, PAUSE_S at most (then it goes on for YIELD_EVERY events: it always progresses). Its work (replays of
-#: batches, builds) shares the machine's memory bandwidth and caches with the callers' calls: on 2 cores, unseen
-#: single queries served beside the checks of a batch pass took 1.30x a plain call, 1.0x with the pauses.
+#: whole calls) shares the memory bandwidth and the GIL with the callers' calls: on 2 cores, unseen single queries
+#: served beside the checks of a batch pass took 1.30x a plain call, 0.91-1.12x with the pauses (a short script of the
+#: traffic benchmark; the benchmark's own run read 1.34x: docs/precision.md).
 PAUSE_S = 0.05
 
 
