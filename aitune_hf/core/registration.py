@@ -424,11 +424,16 @@ class Registration:
     def _gate(self, reference: Any, replay: Callable[[], Any], tunes: bool) -> QualityFigure | None:
         waiting: list[tuple[Target, Any]] | None = None
         demoted: list[str] = []
-        replays, spent = 0, 0.0  # the replays' seconds, less the tunings inside them (counted by their targets)
-        while True:
-            with Stopwatch() as watch, self.noting(gating=True, replay=not tunes) as notes:
+        spent: list[float] = []  # each replay's seconds, less the tunings inside it (counted by their targets)
+
+        def replayed(tuning: bool) -> tuple[Any, CallNotes]:
+            with Stopwatch() as watch, self.noting(gating=True, replay=not tuning) as notes:
                 output = replay()
-            replays, spent = replays + 1, spent + max(watch.seconds - notes.tuned_s, 0.0)
+            spent.append(max(watch.seconds - notes.tuned_s, 0.0))
+            return output, notes
+
+        while True:
+            output, notes = replayed(tunes)
             if waiting is None:  # what this call met is what its gate judges (others wait for a call that meets them)
                 waiting = [(t, r) for t, r in notes.met if r.provisional]
                 if not waiting:
@@ -448,9 +453,7 @@ class Registration:
         if tunes and any(self._targets[name].armed for name in demoted if name in self._targets):
             # A block sent back with no fp32 build tunes in fp32 at its next call: this replay is that call, so the
             # call that tuned ends with every block decided (never left armed for a later request to tune).
-            with Stopwatch() as watch, self.noting(gating=True) as notes:
-                replay()
-            replays, spent = replays + 1, spent + max(watch.seconds - notes.tuned_s, 0.0)
+            replayed(True)
         earlier = self.quality or {}  # the gates before this one (the tuning call's, then calls with new shapes)
         shown = dataclasses.asdict(figure)
         if earlier and not earlier["value"] > figure.value:  # the worst call gated is the one shown
@@ -459,9 +462,9 @@ class Registration:
             **earlier,
             **shown,
             "demoted": [*earlier.get("demoted", []), *demoted],
-            "replays": earlier.get("replays", 0) + replays,
+            "replays": earlier.get("replays", 0) + len(spent),
             "gates": earlier.get("gates", 0) + 1,
-            "seconds": earlier.get("seconds", 0.0) + spent,
+            "seconds": earlier.get("seconds", 0.0) + sum(spent),
         }
         logger.info("end-to-end quality gate: %s; %d block(s) back to fp32", figure.text(), len(demoted))
         return figure

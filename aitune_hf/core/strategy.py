@@ -333,7 +333,7 @@ class TuningJob:
                 continue
             result.latency_s = timing.latencies[result.backend]
             result.speedup = timing.speedups[result.backend]
-            result.rounds = timing.timed.get(result.backend, timing.rounds)  # fewer where it was retired early
+            result.rounds = timing.timed[result.backend]  # fewer where it was retired early
             self.bounds[result.backend] = timing.bounds[result.backend]
             survivors.append(result)
         return survivors
@@ -551,7 +551,8 @@ def _precision_lost(job: TuningJob, backend: Backend) -> str | None:
     """Why a slow build of a reduced precision is not worth making for this block: a cheap build of the same precision
     was timed here and settled below `min_speedup` (its upper confidence bound under it), so this CPU does not gain
     from that precision on this block (measured: OpenVINO bf16 0.72x of eager on a MiniLM layer with AVX512-BF16 and
-    no AMX, where Inductor's bf16 compile took about 20 s to build). None when no such evidence is at hand."""
+    no AMX, where Inductor's bf16 compile took 24 s to build, then lost at 0.67x). None when no such evidence is at
+    hand."""
     for result in job.report.candidates:
         bounds = job.bounds.get(result.backend)
         if result.precision == backend.precision and bounds is not None and bounds[1] < job.config.min_speedup:
