@@ -55,8 +55,9 @@ YIELD_S = 1e-4
 #: While a caller's whole call is in flight (`BackgroundTuner.serving`), a check pauses at each of those points
 #: until none is, PAUSE_S at most (then it goes on for YIELD_EVERY events: it always progresses). Its work (replays of
 #: whole calls) shares the memory bandwidth and the GIL with the callers' calls: on 2 cores, unseen single queries
-#: served beside the checks of a batch pass took 1.30x a plain call, 0.91-1.12x with the pauses (a short script of the
-#: traffic benchmark; the benchmark's own run read 1.34x: docs/precision.md).
+#: served beside the checks of a batch pass took 1.30x a plain call in one pass; the benchmark's rounds of first
+#: sights read 0.97-1.19x (median 1.02x) with the pauses, the checks taking 0.02-0.09 s of CPU beside a 0.5 s pass
+#: (docs/precision.md: the rest of a single pass's swing is the host).
 PAUSE_S = 0.05
 
 
