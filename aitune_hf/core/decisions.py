@@ -29,7 +29,8 @@ Source = Literal["tuned", "shared", "cache", "pinned"]
 @dataclass
 class Decision:
     """A choice for one signature: the backend, its built callable (None for eager), the evidence (the report); for a
-    reduced-precision winner, the best fp32 candidate to fall back to (None: eager) if the end-to-end gate fails."""
+    reduced-precision winner, the best fp32 candidate to fall back to (None: eager, see `fp32_lost`) if the end-to-end
+    gate fails."""
 
     backend: Backend | None
     built: BuiltBackend | None
@@ -37,6 +38,10 @@ class Decision:
     guard: ModuleGuard | None = None  # what the built backend depends on (None for eager)
     fallback: tuple[Backend, BuiltBackend, ModuleGuard] | None = None
     source: Source = "tuned"
+    #: A reduced-precision winner without a fallback: why no fp32 candidate would serve (they were timed, and none
+    #: beat eager by `min_speedup`), so that the gate sends it back to eager at once; None where fp32 was not tried
+    #: (the reduced precision won clearly): the gate then tunes it again in fp32 (`Target.demote`).
+    fp32_lost: str | None = None
     #: Why eager was kept, for a decision without evidence (pinned); otherwise the report says why.
     note: str | None = None
 

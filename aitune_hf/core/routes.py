@@ -34,6 +34,8 @@ class Route:
     family_wide: bool = False  # an eager decision for a whole shape family: it covers every shape of it
     #: A reduced-precision decision: the fp32 candidate (backend, built, guard) it falls back to, None for eager.
     fallback: tuple[Backend, BuiltBackend, ModuleGuard] | None = None
+    #: Where it has no fallback: why fp32 would not serve (`Decision.fp32_lost`); None where fp32 was not tried.
+    fp32_lost: str | None = None
     #: True until the end-to-end quality gate accepts this reduced-precision decision: the fallback serves meanwhile.
     provisional: bool = False
     #: A new shape of a reduced-precision family (`new_shape_of` is the family's route, `reference` the shape): its

@@ -159,7 +159,8 @@ class Sourcing:
                 if figures is not None:  # the owner's timings, as for the winner (a cached copy falls back by them)
                     fallback_result.latency_s, fallback_result.speedup = figures.latency_s, figures.speedup
                 fallback = (decision.fallback[0], fallback_result, fallback_built)
-        return dataclasses.replace(job.choose(decision.backend, result, built, fallback), source="shared")
+        chosen = job.choose(decision.backend, result, built, fallback, decision.fp32_lost)
+        return dataclasses.replace(chosen, source="shared")
 
 
 def sibling_key(module: torch.nn.Module, signatures: list[InputSignature]) -> tuple[Any, ...]:

@@ -358,14 +358,33 @@ class TuningJob:
         result: CandidateResult,
         built: BuiltBackend,
         fallback: tuple[Backend, CandidateResult, BuiltBackend] | None = None,
+        fp32_lost: str | None = None,
     ) -> Decision:
-        """`backend` serves; a reduced-precision one with `fallback`, the fp32 candidate it falls back to."""
+        """`backend` serves; a reduced-precision one with `fallback`, the fp32 candidate it falls back to, or with
+        `fp32_lost`, why none would (`Decision.fp32_lost`)."""
         self.report.chosen, self.report.reason = result.backend, None
         kept = None if fallback is None else (fallback[0], fallback[2], self.guards[fallback[1].backend])
-        return Decision(backend, built, self.report, self.guards[result.backend], kept)
+        lost = fp32_lost if kept is None and backend.precision != "fp32" else None
+        return Decision(backend, built, self.report, self.guards[result.backend], kept, fp32_lost=lost)
 
     def failures(self) -> str:
         return "; ".join(f"{c.backend}: {c.error}" for c in self.report.candidates if c.error)
+
+
+def _fp32_lost(
+    job: TuningJob, fp32: list[Backend], timed: list[tuple[Backend, CandidateResult, BuiltBackend]]
+) -> str | None:
+    """Why no fp32 candidate would serve this signature, where tuning tried them (`Decision.fp32_lost`); None where
+    it did not (skipped: the reduced precision won clearly, or the tuning budget ran out): a tuning in fp32 may then
+    find one."""
+    names = {backend.describe() for backend in fp32}
+    rows = [c for c in job.report.candidates if c.backend in names]
+    if any(c.error is not None and c.error.startswith("skipped:") and c.skipped_for in (None, "budget") for c in rows):
+        return None
+    best = _best([c for c in timed if c[0].precision == "fp32"])
+    if best is not None:
+        return f"best fp32 {best[1].backend} at {best[1].speedup or 0.0:.2f}x (needs {job.config.min_speedup:.2f}x)"
+    return "no fp32 candidate was built" if fp32 else "no fp32 candidate among the backends"
 
 
 def _all_finite(value: Any) -> bool:
@@ -464,13 +483,15 @@ class MinLatency(Strategy):
                 f"nothing was faster: best {result.backend} at {result.speedup:.2f}x "
                 f"(needs {job.config.min_speedup:.2f}x)"
             )
-        fallback = None
+        fallback, fp32_lost = None, None
         if backend.precision != "fp32":  # what serves if the end-to-end quality gate rejects the reduced precision
             fp32_timed = [
                 c for c in timed if c[0].precision == "fp32" and (c[1].speedup or 0.0) >= job.config.min_speedup
             ]
             fallback = _best(fp32_timed)
-        return job.choose(backend, result, built, fallback)
+            if fallback is None:
+                fp32_lost = _fp32_lost(job, fp32, timed)
+        return job.choose(backend, result, built, fallback, fp32_lost)
 
     def _tiers(
         self,

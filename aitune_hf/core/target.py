@@ -524,8 +524,9 @@ class Target:
             route.provisional = False
 
     def demote(self, route: Route, why: str) -> None:
-        """The gate failed with this route among the worst: its fp32 fallback serves it from now on. Where none was
-        built (the reduced precision won clearly, so fp32 was not tried), the route is dropped and the target tunes
+        """The gate failed with this route among the worst: its fp32 fallback serves it from now on. Where fp32 was
+        tried and lost to eager (`Route.fp32_lost`), eager serves it (for its whole shape family), with no tuning
+        again. Where fp32 was not tried (the reduced precision won clearly), the route is dropped and the target tunes
         again, in fp32 only: the next call of the signature runs eager and is recorded, the one after tunes."""
         with self._lock:
             reduced = route.report.chosen
@@ -541,6 +542,19 @@ class Target:
                 route.report.chosen = route.backend.describe()
                 route.report.demoted = note
                 route.fallback, route.provisional = None, False
+                if self._state is not TargetState.ARMED:
+                    self._settle()
+                return
+            if route.fp32_lost is not None:
+                # Measured: a MiniLM layer's fp32 candidates at 0.84-1.04x (needs 1.05x) were tuned again for 22-37 s
+                # here, to reach the same eager.
+                route.backend, route.built, route.guard = None, None, ModuleGuard(self.module)
+                family = route.reference.family if route.reference is not None else None
+                route.family_wide = any(r is route for r in self._families.get(family, ()))
+                route.report.chosen = "eager"
+                route.report.reason = f"{note}; fp32 lost to eager when tuned ({route.fp32_lost})"
+                route.report.demoted = note
+                route.fp32_lost, route.provisional = None, False
                 if self._state is not TargetState.ARMED:
                     self._settle()
                 return
@@ -722,6 +736,7 @@ class Target:
         route = Route(decision.backend, decision.built, decision.report, guard, job.signature, family_wide)
         if decision.backend is not None and decision.backend.precision != "fp32":
             route.fallback, route.provisional = decision.fallback, context.gate_required
+            route.fp32_lost = decision.fp32_lost
         self._add_route(signatures, route)
 
     def _add_route(self, signatures: list[InputSignature], route: Route) -> None:

@@ -9,8 +9,10 @@ from torch import nn
 
 from aitune_hf import TargetState, TuningConfig, hardware, register
 from aitune_hf.backends import InductorBackend, OnnxRuntimeBackend
+from aitune_hf.backends.base import Backend, BuiltBackend
 from aitune_hf.core.precision import native_reason, with_precisions
 from aitune_hf.core.quality import measure
+from aitune_hf.core.strategy import MinLatency
 from aitune_hf.errors import ConfigError
 from tests.core.modules import MLPBlock, ReducedPrecisionStandIn
 from tests.quick import QUICK
@@ -134,6 +136,93 @@ def test_a_budget_no_candidate_meets_leaves_fp32_decisions_with_the_figure() -> 
     assert all(t.state is TargetState.EAGER for t in registration.targets.values()), registration.report()
     text = str(registration.report())
     assert "(needs >= 1)" in text and "sent back to fp32 by the end-to-end quality gate: reduced_stand_in" in text
+    registration.detach()
+
+
+class _HalfWork(ReducedPrecisionStandIn):
+    """A reduced build that does half of a `_Twice` block's work (its MLP once), with the stand-in's error."""
+
+    name = "half_work"
+
+    def build(self, module: nn.Module, forward, samples, dynamic: bool = False):  # type: ignore[no-untyped-def]
+        return super().build(module, module.mlp, samples, dynamic)
+
+
+class _DoubleWork(Backend):
+    """An fp32 build that does twice eager's work: it loses."""
+
+    name = "double_work"
+
+    def build(self, module: nn.Module, forward, samples):  # type: ignore[no-untyped-def]
+        self.builds = getattr(self, "builds", 0) + 1
+
+        def fn(*args, **kwargs):  # type: ignore[no-untyped-def]
+            forward(*args, **kwargs)
+            return forward(*args, **kwargs)
+
+        return BuiltBackend(fn=fn)
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLPBlock(256)  # large enough that half the work times as about 2x under a loaded test run
+        self.mlp.reduced_error = 0.05
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mlp(x)
+        return self.mlp(x)
+
+
+def test_a_reduced_decision_whose_fp32_candidates_lost_goes_back_to_eager_without_tuning_again() -> None:
+    """Issue 31: where tuning timed the fp32 candidates beside the reduced winner and none beat eager, the gate sends
+    the block to eager at once; tuning it again in fp32 (22-37 s on a MiniLM layer) would reach the same eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Twice(), _Twice()).eval()
+    x = torch.randn(512, 256)
+    loser = _DoubleWork()
+    registration = register(
+        model,
+        # Half the work times at about 2x, twice the work at about 0.5x: min_speedup 0.8 parts them under any load,
+        # and no win is ever clear, so the fp32 candidate is always tried.
+        {
+            **QUICK,
+            "repeats": 9,
+            "backends": [_HalfWork(), loser],
+            "min_speedup": 0.8,
+            "strategy": MinLatency(clear_speedup=100.0),
+        },
+    )
+    registration.gate_required = True
+    with torch.no_grad():
+        model(x)
+        registration.tune()
+        model(x)
+        with registration.bypass():
+            reference = model(x)
+    decisions = {name: t.report().signatures[0] for name, t in registration.targets.items()}
+    assert {d.chosen for d in decisions.values()} == {"half_work"}, registration.report()
+    # fp32 was tried beside it on block 0 (no clear win), and lost: no fallback; block 1, identical, takes that
+    # decision (and that verdict) from it.
+    assert loser.builds == 1
+    registration.config.quality = {"cosine": 1.0}  # nothing reduced is ever exactly eager
+
+    def replay() -> torch.Tensor:
+        with torch.no_grad():
+            return model(x)
+
+    figure = registration.gate(reference, replay)
+    assert figure is not None and not figure.passed and sorted(registration.quality["demoted"]) == ["0", "1"]
+    assert all(t.state is TargetState.EAGER for t in registration.targets.values()), registration.report()
+    assert registration.quality["replays"] == 2  # no replay to tune again
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference, atol=0, rtol=0)
+    assert loser.builds == 1
+    for target in registration.targets.values():
+        signature = target.report().signatures[0]
+        assert signature.chosen == "eager" and signature.demoted.startswith("half_work: min cosine")
+        assert "fp32 lost to eager when tuned (best fp32 double_work at 0." in signature.reason, signature.reason
+    assert "sent back to fp32 by the end-to-end quality gate: half_work" in str(registration.report())
     registration.detach()
 
 
