@@ -374,12 +374,11 @@ class TuningJob:
 def _fp32_lost(
     job: TuningJob, fp32: list[Backend], timed: list[tuple[Backend, CandidateResult, BuiltBackend]]
 ) -> str | None:
-    """Why no fp32 candidate would serve this signature, where tuning tried them (`Decision.fp32_lost`); None where
-    it did not (skipped: the reduced precision won clearly, or the tuning budget ran out): a tuning in fp32 may then
-    find one."""
+    """Why no fp32 candidate would serve this signature, where tuning timed them beside the reduced winner
+    (`Decision.fp32_lost`); None where the tuning budget ran out before one of them: a tuning in fp32 may then find
+    one."""
     names = {backend.describe() for backend in fp32}
-    rows = [c for c in job.report.candidates if c.backend in names]
-    if any(c.error is not None and c.error.startswith("skipped:") and c.skipped_for in (None, "budget") for c in rows):
+    if any(c.skipped_for == "budget" for c in job.report.candidates if c.backend in names):
         return None
     best = _best([c for c in timed if c[0].precision == "fp32"])
     if best is not None:
@@ -468,10 +467,12 @@ class MinLatency(Strategy):
         timed = self._tiers(job, reduced, [], clear) if reduced else []
         winner = _best(timed)
         fp32 = [b for b in ordered if b.precision == "fp32"]
+        fp32_tried = True
         if reduced and winner is not None and job.bounds.get(winner[1].backend, (0.0, 0.0))[0] > clear:
             low = job.bounds[winner[1].backend][0]
             for backend in fp32:
                 job.skip(backend, f"{winner[1].backend} won clearly (at least {low:.2f}x); fp32 is tried if it fails")
+            fp32_tried = False
         elif fp32:
             timed = self._tiers(job, fp32, timed, clear)
         best = _best(timed)
@@ -489,7 +490,7 @@ class MinLatency(Strategy):
                 c for c in timed if c[0].precision == "fp32" and (c[1].speedup or 0.0) >= job.config.min_speedup
             ]
             fallback = _best(fp32_timed)
-            if fallback is None:
+            if fallback is None and fp32_tried:
                 fp32_lost = _fp32_lost(job, fp32, timed)
         return job.choose(backend, result, built, fallback, fp32_lost)
 
