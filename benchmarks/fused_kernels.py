@@ -5,6 +5,7 @@ with its error beside it), and eager, on the same block and call.
 
     python benchmarks/fused_kernels.py                  # every workload, 1 thread, 31 interleaved rounds
     python benchmarks/fused_kernels.py --workloads minilm_b1_s32 --rounds 51
+    python benchmarks/fused_kernels.py --memory --workloads sd_small_attention_32,sd_small_attention_64
 
 Workloads: one real MiniLM layer (`aitune_hf.testing.minilm_path()`) at batch 1 x 32 tokens, batch 32 x 64 and
 batch 1 x 512, and the first cross-attention block (`Transformer2DModel`) of the SD small UNet
@@ -19,14 +20,24 @@ Prints the machine, the load average before and after, each build's largest erro
 operators the rewrite made; and what each costs in a tuning (`register()` with `precision="auto"`, ONNX Runtime
 only, exact shapes): the plain candidate's build seconds (export and session) and the fused one's (the rewrite of
 that export and a session), from the report.
+
+`--memory`: instead of speed, the working memory of each build, each in a fresh process (this file,
+`--memory-of`), so that no allocator, arena or cache kept from another build hides what a call needs: the resident
+set size (VmRSS, sampled every 0.5 ms) while the build serves three calls, less the process's size before the build
+(the block and its inputs made); and what the build itself left held. Beside it, what one attention score matrix of
+the call takes (batch x heads x tokens x tokens, fp32): what an attention that is not computed in tiles holds.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -101,11 +112,7 @@ def measure(name: str, folder: Path, rounds: int) -> dict[str, Any]:
     notes = {}
     with torch.no_grad():
         reference = module(*call)
-        candidates = {
-            "ort": OnnxRuntimeBackend(intra_op_num_threads=1),
-            "ort_fused": OnnxRuntimeBackend(intra_op_num_threads=1, kernels="fused"),
-            "ov": OpenVinoBackend(num_threads=1),
-        }
+        candidates = _candidates()
         if hardware.cpu_bf16_reason() is None:
             candidates["ov_bf16"] = OpenVinoBackend(precision="bf16", num_threads=1)
         for label, backend in candidates.items():
@@ -119,6 +126,74 @@ def measure(name: str, folder: Path, rounds: int) -> dict[str, Any]:
         latencies, failures = time_interleaved(fns, [(call, {})], warmup=3, repeats=rounds, baseline="eager")
     assert not failures, failures
     return {"latencies": latencies, "notes": notes, "build_s": tuning_builds(module, call)}
+
+
+def _candidates() -> dict[str, Any]:
+    return {
+        "ort": OnnxRuntimeBackend(intra_op_num_threads=1),
+        "ort_fused": OnnxRuntimeBackend(intra_op_num_threads=1, kernels="fused"),
+        "ov": OpenVinoBackend(num_threads=1),
+    }
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def memory_of(name: str, label: str, folder: Path) -> dict[str, float]:
+    """In this (fresh) process: build `label` for workload `name`, serve three calls, and return the MB the build
+    left held and the peak MB during the calls, both above the process's size before the build."""
+    module, call = workload(name, folder)
+    peak, stop = [0.0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            time.sleep(0.0005)
+
+    with torch.no_grad():
+        before = _rss_mb()
+        fn = module if label == "eager" else _candidates()[label].build(module, module.forward, [(call, {})]).fn
+        built = _rss_mb()
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            for _ in range(3):
+                fn(*call)
+        finally:
+            stop.set()
+            sampler.join()
+    return {"held_mb": built - before, "peak_mb": max(peak[0], built) - before}
+
+
+def score_matrix_mb(name: str, folder: Path) -> tuple[int, float]:
+    """(tokens, MB of one fp32 score matrix: batch x heads x tokens x tokens) of an SD attention workload."""
+    module, (sample, _) = workload(name, folder)
+    tokens = sample.shape[2] * sample.shape[3]
+    heads = module.block.transformer_blocks[0].attn1.heads
+    return tokens, sample.shape[0] * heads * tokens * tokens * 4 / 2**20
+
+
+def memory_table(names: list[str], folder: Path) -> None:
+    labels = ("eager", "ort", "ort_fused", "ov")
+    print("| workload | score matrix MB | " + " | ".join(f"{label}: peak (held) MB" for label in labels) + " |")
+    print("|---|---|" + "---|" * len(labels))
+    for name in names:
+        cells = []
+        for label in labels:
+            command = [sys.executable, __file__, "--memory-of", label, "--workloads", name, "--folder", str(folder)]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                cells.append(f"failed: {done.stderr.strip().splitlines()[-1][:80]}")
+                continue
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            cells.append(f"{result['peak_mb']:.0f} ({result['held_mb']:.0f})")
+        matrix = f"{score_matrix_mb(name, folder)[1]:.0f}" if name.startswith("sd") else "-"
+        print(f"| {name} | {matrix} | " + " | ".join(cells) + " |", flush=True)
 
 
 def tuning_builds(module: torch.nn.Module, call: tuple[torch.Tensor, ...]) -> dict[str, float | None]:
@@ -143,8 +218,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--memory", action="store_true", help="working memory per build, not speed")
+    parser.add_argument("--memory-of", help=argparse.SUPPRESS)  # the fresh process's job: one build's memory
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)  # where the parent built the pipeline
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.memory_of:
+        print(json.dumps(memory_of(args.workloads, args.memory_of, args.folder)))
+        return
+    if args.memory:
+        print(f"machine: {cpu_model()}; load average before: {os.getloadavg()}")
+        with tempfile.TemporaryDirectory(prefix="aitune_hf_fused_") as folder:
+            memory_table(args.workloads.split(","), Path(folder))
+        return
     print(f"machine: {cpu_model()}; load average before: {os.getloadavg()}")
     print(
         "| workload | eager ms | ORT ms | ORT fused ms | fused vs ORT | OpenVINO f32 ms | OpenVINO bf16 ms | "
