@@ -98,10 +98,12 @@ class Replica:
         tuner has left, load and warm-up seconds, and what the cache did (or why it is not used)."""
         registration = self.registration
         from_cache = tuned_here = 0
-        waiting = False  # an armed target that has decided nothing yet: its first tuning is still to come
+        # An armed target that has decided nothing yet: its first tuning is still to come. Not an idle one (never
+        # called: a VAE's encoder in a text-to-image service): it stays armed with nothing to tune until a call comes.
+        waiting = False
         for target in registration.targets.values():
             signatures = target.report().signatures
-            waiting = waiting or (target.armed and not signatures)
+            waiting = waiting or (target.armed and not target.idle and not signatures)
             for signature in signatures:  # an identical sibling's decision counts as its owner's
                 if signature.from_cache:
                     from_cache += 1

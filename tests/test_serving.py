@@ -22,6 +22,7 @@ serve = pytest.importorskip("ray.serve", reason="needs the serve extra: pip inst
 from aitune_hf import AITuneModel  # noqa: E402
 from aitune_hf.serving import Replica  # noqa: E402
 from aitune_hf.testing import build_family, family_inputs  # noqa: E402
+from tests.core.modules import MLPBlock  # noqa: E402
 from tests.quick import ORT  # noqa: E402
 
 OPTIONS = dict(ORT)  # ONNX Runtime serves wherever it is correct, exact shapes
@@ -197,3 +198,41 @@ def test_a_cache_url_whose_file_system_is_not_installed_is_a_reason_not_a_failur
     assert "Install s3fs to access S3" in health["cache"] and health["tuned"] == 2, health
     torch.testing.assert_close(_call(replica.obj, inputs), eager, atol=1e-4, rtol=1e-4)
     replica.obj.disable_aitune()
+
+
+class _Service(torch.nn.Module):
+    """Two stages, one of which the service never calls (as a text-to-image service never calls its VAE's encoder)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = MLPBlock(32), MLPBlock(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_a_replica_whose_traffic_never_calls_a_block_settles_once_the_others_are_tuned() -> None:
+    """A target never called stays armed with nothing to tune: health() must not wait for it (it did: an SD replica,
+    its VAE encoder idle, reported settled=False forever)."""
+    x = torch.randn(4, 32)
+
+    def request(service: _Service) -> torch.Tensor:
+        with torch.no_grad():
+            return service(x)
+
+    replica = Replica(lambda: _Service().eval(), request, targets=["used", "unused"], cache="off", **ORT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (health := replica.health())["settled"] and time.monotonic() < deadline:
+            request(replica.obj)  # requests keep coming while the block tunes in the background
+            time.sleep(0.05)
+        assert health["settled"] and health["states"] == {"tuned": 1, "idle": 1}, health
+        with torch.no_grad():
+            served = replica.obj(x)
+            with replica.registration.bypass():
+                expected = replica.obj(x)
+        assert replica.registration.targets["used"].calls_served.get("onnxruntime", 0) >= 1
+        torch.testing.assert_close(served, expected, atol=1e-5, rtol=1e-4)
+    finally:
+        replica.obj.disable_aitune()
