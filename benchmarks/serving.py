@@ -4,11 +4,12 @@ latency and throughput under 1, 4 and 16 concurrent requests with one and two re
 
     python benchmarks/serving.py                      # minilm and sd, results in benchmarks/results/serving.md
     python benchmarks/serving.py --workloads minilm --requests 64
+    python benchmarks/serving.py --workloads sd --backends onnxruntime   # ONNX Runtime alone, as before issue 31
 
 Workloads: real all-MiniLM-L6-v2 (sentence-transformers, batches of 8 sentences) and the small SD pipeline of
-`aitune_hf.testing` (128x128, 4 steps). Every replica is an `aitune_hf.serving.Replica` with one torch thread,
-`backends=["onnxruntime"]` (what tunes in the background). Bounded: `--requests` per measurement, each with a
-timeout.
+`aitune_hf.testing` (128x128, 4 steps). Every replica is an `aitune_hf.serving.Replica` with one torch thread and
+the candidates of `--backends` (default ONNX Runtime and OpenVINO: the builds that read one export, made in the build
+process while the replica serves eager). Bounded: `--requests` per measurement, each with a timeout.
 
 - **Start**: a replica started against an empty cache (background tuning: it serves eager at once) and against the
   cache a tuning job filled: seconds from the start of the deployment to the first answer served by tuned blocks
@@ -63,10 +64,15 @@ WORKLOADS = {
 }
 
 
+#: The candidates each replica tunes with (`--backends`).
+BACKENDS = ["onnxruntime", "openvino"]
+
+
 def deployment(workload: str, cache_dir: str, replicas: int, cache: str = "ro") -> Any:
     from ray import serve
 
     sd_folder = _sd_folder() if workload == "sd" else None
+    backends = list(BACKENDS)
 
     @serve.deployment(num_replicas=replicas, ray_actor_options={"num_cpus": 1}, max_ongoing_requests=1)
     class Service:
@@ -94,7 +100,7 @@ def deployment(workload: str, cache_dir: str, replicas: int, cache: str = "ro") 
                                 generator=torch.Generator().manual_seed(0), output_type="np").images  # fmt: skip
 
                 self.run = run
-            self.replica = Replica(load, self.run, cache_dir=cache_dir, cache=cache, backends=["onnxruntime"],
+            self.replica = Replica(load, self.run, cache_dir=cache_dir, cache=cache, backends=backends,
                                    progress=False)  # fmt: skip
 
         def __call__(self) -> float:
@@ -192,7 +198,8 @@ def markdown(results: dict[str, dict[str, Any]], requests: int) -> str:
         "",
         f"`python benchmarks/serving.py` on {describe_machine()}, {os.cpu_count()} cores; a local Ray cluster "
         "(num_cpus=2, Serve without HTTP: requests through handles), replicas of one torch thread, "
-        f"backends ['onnxruntime'], background tuning; {requests} requests per load level.",
+        f"backends {next(iter(results.values())).get('backends', BACKENDS)}, background tuning; {requests} "
+        "requests per load level.",
         "",
     ]
     for workload, result in results.items():
@@ -265,7 +272,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--out", type=Path, default=RESULTS / "serving.md")
     parser.add_argument("--from-json", type=Path, help="write the tables again from a run's JSON, running nothing")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated candidates of each replica")
     args = parser.parse_args()
+    BACKENDS[:] = args.backends.split(",")
     if args.from_json is not None:
         saved = {name: _keyed(result) for name, result in json.loads(args.from_json.read_text()).items()}
         args.out.write_text(markdown(saved, args.requests))
@@ -274,7 +283,7 @@ def main() -> int:
     unknown = set(names) - set(WORKLOADS)
     if unknown:
         raise SystemExit(f"unknown workloads {sorted(unknown)}; valid: {', '.join(WORKLOADS)}")
-    results = {name: run(name, args.requests) for name in names}
+    results = {name: {**run(name, args.requests), "backends": list(BACKENDS)} for name in names}
     text = markdown(results, args.requests)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
