@@ -6,6 +6,7 @@ with its error beside it), and eager, on the same block and call.
     python benchmarks/fused_kernels.py                  # every workload, 1 thread, 31 interleaved rounds
     python benchmarks/fused_kernels.py --workloads minilm_b1_s32 --rounds 51
     python benchmarks/fused_kernels.py --memory --workloads sd_small_attention_32,sd_small_attention_64
+    python benchmarks/fused_kernels.py --int8 --workloads minilm_b1_s32,minilm_b32_s64
 
 Workloads: one real MiniLM layer (`aitune_hf.testing.minilm_path()`) at batch 1 x 32 tokens, batch 32 x 64 and
 batch 1 x 512, and the first cross-attention block (`Transformer2DModel`) of the SD small UNet
@@ -26,6 +27,15 @@ that export and a session), from the report.
 set size (VmRSS, sampled every 0.5 ms) while the build serves three calls, less the process's size before the build
 (the block and its inputs made); and what the build itself left held. Beside it, what one attention score matrix of
 the call takes (batch x heads x tokens x tokens, fp32): what an attention that is not computed in tiles holds.
+
+`--int8` (MiniLM layer workloads): whether OpenVINO's int8 would win a place among the candidates. OpenVINO computes
+int8 only for a model quantized beforehand; the one way to do that from the export the backends share, without NNCF,
+is ONNX Runtime's static quantization to QDQ (int8 weights per channel, uint8 activations, calibrated on 8 other
+calls), which OpenVINO reads and runs in int8. Timed beside eager, ONNX Runtime's own int8 candidate
+(`OnnxRuntimeBackend(precision="int8")`: dynamic quantization) and OpenVINO f32, on real MiniLM embeddings of varied
+sentences (not random hidden states: int8's error depends on the activations' outliers); error as the cosine of the
+flattened output with eager's and the relative L2 error (the per-block budget of int8 is 10%: docs/precision.md).
+`ov_int8_mixed` leaves the feed-forward's output projection in f32 (its input, after GELU, has the outliers).
 """
 
 from __future__ import annotations
@@ -196,6 +206,81 @@ def memory_table(names: list[str], folder: Path) -> None:
         print(f"| {name} | {matrix} | " + " | ".join(cells) + " |", flush=True)
 
 
+def _real_hidden(model: Any, tokenizer: Any, batch: int, length: int, seed: int) -> torch.Tensor:
+    """MiniLM's embeddings of `batch` varied sentences cut to `length` tokens (long enough: no padding)."""
+    from minilm_traffic import corpus  # benchmarks/ is on sys.path
+
+    texts = corpus(batch, 3 * length, 3 * length + 20, seed)
+    ids = tokenizer(texts, truncation=True, max_length=length, return_tensors="pt")["input_ids"]
+    return model.embeddings(input_ids=ids)
+
+
+class _OpenVinoCall:
+    """A compiled (quantized) MiniLM layer called with torch tensors, one infer request."""
+
+    def __init__(self, compiled: Any) -> None:
+        self.request = compiled.create_infer_request()
+        self.names = [port.get_any_name() for port in compiled.inputs]
+
+    def __call__(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        feeds = {"hidden": hidden.numpy(), "mask": mask.numpy()}
+        return torch.from_numpy(self.request.infer({n: feeds[n] for n in self.names})[0].copy())
+
+
+def int8_row(name: str, rounds: int) -> dict[str, Any]:
+    import onnxruntime.quantization as quantization
+    import openvino
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(minilm_path(), attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    batch, length = {"minilm_b1_s32": (1, 32), "minilm_b32_s64": (32, 64), "minilm_b1_s512": (1, 512)}[name]
+    module = MiniLMLayer(model.encoder.layer[0]).eval()
+    mask = torch.zeros(batch, 1, 1, length)
+    with torch.no_grad():
+        call = (_real_hidden(model, tokenizer, batch, length, seed=0), mask)
+        calibration = [(_real_hidden(model, tokenizer, batch, length, seed=1 + i), mask) for i in range(8)]
+        reference = module(*call)
+        fns: dict[str, Callable[..., Any]] = {"eager": module}
+        for label, backend in (("ort_int8", OnnxRuntimeBackend(intra_op_num_threads=1, precision="int8")),
+                               ("ov", OpenVinoBackend(num_threads=1))):  # fmt: skip
+            fns[label] = backend.build(module, module.forward, [(call, {})]).fn
+        with tempfile.TemporaryDirectory(prefix="aitune_hf_ov_int8_") as tmp:
+            fp32, int8 = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
+            torch.onnx.export(module, call, fp32, dynamo=True, input_names=["hidden", "mask"], verbose=False)
+
+            class Calls(quantization.CalibrationDataReader):  # a fresh reader per quantization
+                def __init__(self) -> None:
+                    self.feeds = iter([{"hidden": h.numpy(), "mask": m.numpy()} for h, m in calibration])
+
+                def get_next(self) -> dict[str, Any] | None:
+                    return next(self.feeds, None)
+
+            import onnx
+
+            matmuls = [n.name for n in onnx.load(fp32).graph.node if n.op_type in ("MatMul", "Gemm")]
+            # The last one is the feed-forward's output projection, whose input (after GELU) has the outliers that
+            # one activation scale per tensor cannot hold: "ov_int8_mixed" leaves it in f32.
+            for label, excluded in (("ov_int8", []), ("ov_int8_mixed", matmuls[-1:])):
+                quantization.quantize_static(
+                    fp32, int8, Calls(), quant_format=quantization.QuantFormat.QDQ, per_channel=True,
+                    activation_type=quantization.QuantType.QUInt8, weight_type=quantization.QuantType.QInt8,
+                    op_types_to_quantize=["MatMul", "Gemm"], nodes_to_exclude=excluded,
+                )  # fmt: skip
+                core = openvino.Core()
+                compiled = core.compile_model(core.read_model(int8), "CPU", OpenVinoBackend(num_threads=1).config())
+                fns[label] = _OpenVinoCall(compiled)
+        errors = {}
+        for label, fn in fns.items():
+            out = fn(*call).flatten().double()
+            expected = reference.flatten().double()
+            cosine = torch.nn.functional.cosine_similarity(out, expected, dim=0).item()
+            errors[label] = f"cos {cosine:.4f}, rel. L2 {((out - expected).norm() / expected.norm()).item():.1e}"
+        latencies, failures = time_interleaved(fns, [(call, {})], warmup=3, repeats=rounds, baseline="eager")
+    assert not failures, failures
+    return {"latencies": latencies, "errors": errors}
+
+
 def tuning_builds(module: torch.nn.Module, call: tuple[torch.Tensor, ...]) -> dict[str, float | None]:
     """Build seconds per candidate of one tuning with `precision="auto"` (ONNX Runtime only, exact shapes)."""
     # cache "off": cold builds, and nothing written to the user's cache folder (where a rerun found its last decision)
@@ -219,12 +304,26 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--memory", action="store_true", help="working memory per build, not speed")
+    parser.add_argument("--int8", action="store_true", help="OpenVINO int8 (statically quantized) beside the others")
     parser.add_argument("--memory-of", help=argparse.SUPPRESS)  # the fresh process's job: one build's memory
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)  # where the parent built the pipeline
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.memory_of:
         print(json.dumps(memory_of(args.workloads, args.memory_of, args.folder)))
+        return
+    if args.int8:
+        print(f"machine: {cpu_model()}; load average before: {os.getloadavg()}")
+        labels = ("eager", "ort_int8", "ov", "ov_int8", "ov_int8_mixed")
+        print("| workload | " + " | ".join(f"{label} ms (x eager)" for label in labels) + " | error vs eager |")
+        print("|---|" + "---|" * (len(labels) + 1))
+        for name in args.workloads.split(","):
+            row = int8_row(name, args.rounds)
+            ms = {k: v * 1e3 for k, v in row["latencies"].items()}
+            cells = " | ".join(f"{ms[label]:.3f} ({ms['eager'] / ms[label]:.2f}x)" for label in labels)
+            errors = "; ".join(f"{label}: {row['errors'][label]}" for label in labels[1:])
+            print(f"| {name} | {cells} | {errors} |", flush=True)
+        print(f"load average after: {os.getloadavg()}")
         return
     if args.memory:
         print(f"machine: {cpu_model()}; load average before: {os.getloadavg()}")
