@@ -147,10 +147,11 @@ def obtain(
     finish: tuple[Callable[..., dict[str, Any]], tuple[Any, ...]] | None = None,
 ) -> Obtained:
     """The ONNX model of `layout`'s call, made once per module state and call in this process where it can be:
-    1. an identical module's export with `module`'s weights put in (`reuse`; only when `reusable`: weights baked, below
-       protobuf's limit), else
-    2. the export another build of the same call made in this tuning (`BuildContext.shared`: another precision's or
-       another runtime's candidate), else
+    1. the export another build of the same call made in this tuning (`BuildContext.shared`: another precision's or
+       another runtime's candidate), as it is: nothing to redo, else
+    2. an identical module's export with `module`'s weights put in (`reuse`; only when `reusable`: weights baked, below
+       protobuf's limit), which costs the exporter's optimizer again (measured: 0.5-10 s a SD block in a replica's
+       background tuning, where the export shared by the tuning's first build was free), else
     3. with `offload` (background tuning), an export in the build process (`worker`), else
     4. an export here, on a private copy of the module.
     With `offload` and `finish` (a module-level function and its arguments, run in the build process on the model file:
@@ -159,12 +160,11 @@ def obtain(
     call_key = sibling_key(module, layout.in_leaves, layout.in_spec, layout.dynamic)
     keys = skeleton_keys(owner, module, forward, call_key, opset_version) if reusable else []
     raw: list[Any] | None = [] if keys else None  # a list: `export_flat` keeps the export before its optimizer there
-    skeleton = find_skeleton(keys)
-    proto = quietly(skeleton.fill, module) if skeleton is not None else None
-    how = "reused" if proto is not None else "shared"
     shared = current_build().shared
-    if proto is None and shared is not None:
-        proto = shared.get(("onnx_export", call_key))
+    proto, how = (shared.get(("onnx_export", call_key)) if shared is not None else None), "shared"
+    if proto is None:
+        skeleton = find_skeleton(keys)
+        proto, how = (quietly(skeleton.fill, module) if skeleton is not None else None), "reused"
     attempts = dynamic_attempts(samples) if layout.dynamic else [None]
     worker = None
     program = None
@@ -195,7 +195,8 @@ def obtain(
                     logger.debug("export with dynamic dims %s failed; trying fewer", dims, exc_info=True)
         exported = True
     obtained = Obtained(proto, program, "export" if exported else how, worker)
-    if exported and shared is not None:  # for the other builds of this call, in this tuning
+    if exported and shared is not None:  # for the other builds of this call, in this tuning (a fresh export only: a
+        # reused one that fails its check is built again afresh, `strategy.try_backend`, and must not be found here)
         shared[("onnx_export", call_key)] = obtained.model_proto
     if keys and raw:  # this export, for the identical modules to come
         kept = quietly(Skeleton.of, raw[-1], module, (layout.weight_names + layout.input_names, layout.output_names))
