@@ -691,15 +691,12 @@ class CheapBf16Loser(SlowLoser):
     precision = "bf16"
 
 
-class SlowBf16(PretendCompiler):
-    """A slow bf16 build (an Inductor bf16 compile stands for it): serves eager's forward."""
+class SlowBf16(SlowLoser):
+    """A slow bf16 build that loses (an Inductor bf16 compile that took 24 s to lose stands for it): about half eager's
+    speed. Not eager's own speed: built, a build as fast as eager was chosen by timing noise on a loaded CI host."""
 
     name = "slow_bf16"
     precision = "bf16"
-
-    def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
-        self.builds = getattr(self, "builds", 0) + 1
-        return super().build(module, forward, samples)
 
 
 class CheapInt8Winner(CheapBf16Loser):
