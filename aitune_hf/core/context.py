@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +91,8 @@ class TuningContext:
         cache: decisions and artifacts kept across processes, or None.
         progress: the progress bar.
         bypassed: True while the registration runs everything eager (`Registration.bypass()`).
+        bypass: runs everything eager in this thread inside the block (`Registration.bypass()`); `served` lifts it
+            inside the block (a target kept whole over its blocks times them as they serve: `Target.inner`).
         on_call: an observer of routed calls (the Hugging Face layer arms tuning from it where it sees no
             whole call).
     """
@@ -114,3 +119,17 @@ class TuningContext:
     background: BackgroundTuner | None = None
     #: What the first blocks of each kind showed about slow builds (`MinLatency(prune_slow_after=...)`).
     evidence: KindEvidence = field(default_factory=KindEvidence)
+    bypass: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
+    served: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
+    #: Per thread: `off_route`, how many routed calls this thread made that no decision covered (recorded, tuned, or
+    #: run eager while tuning or in training): a target kept whole over its blocks records a call only where its blocks
+    #: made none (a new shape a family route covers, checked once, counts as covered).
+    _local: threading.local = field(default_factory=threading.local)
+
+    def note_off_route(self) -> None:
+        """A routed call in this thread that no decision covered: it recorded, or tuned, or ran eager meanwhile."""
+        self._local.off_route = getattr(self._local, "off_route", 0) + 1
+
+    def off_route(self) -> int:
+        """How many routed calls of this thread no decision covered so far (`note_off_route`)."""
+        return getattr(self._local, "off_route", 0)

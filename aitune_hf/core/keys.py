@@ -9,6 +9,8 @@
 - `versions`: the core's (python, torch, aitune-hf), and each backend's own packages (`Backend.versions`).
 - `strategy`, `min_speedup`, `precision`, `quality`, `tolerances`: the config (how the choice was made).
 - `device`, `threads`: the machine (`aitune_hf/hardware.py`): CPU architecture, ISA and flags, or GPU and capability.
+- `over` (only for a module kept whole over its blocks, `Target.inner`): the blocks' classes, which its candidates were
+  timed against.
 
 `versions` holds the packages of every backend this process knows (`backends.base.backend_classes`), not only of
 the candidates: that is what the key has always held (ONNX Runtime's versions in every key), so entries written
@@ -70,13 +72,17 @@ def key_fields(
     strategy: str,
     layout: str,
     state: str | None = None,
+    over: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Every part of a decision's key (the table of the module docstring), as JSON-ready text. `layout`: the memory
     layout of the recorded call's tensors (`signature.layout_of`); `state`: the module's `state_fingerprint` when the
-    caller has it already (None: computed here)."""
+    caller has it already (None: computed here); `over`: for a module kept whole over its blocks, their classes (its
+    candidates were timed against them: `over` is in the key only then, so other keys are as they were)."""
     signature = signatures[0]
     kind = type(module)
+    extra = {"over": list(over)} if over else {}
     return {
+        **extra,
         "module": f"{kind.__module__}.{kind.__qualname__}",
         "state": state if state is not None else state_fingerprint(module),
         "signature": repr(signature.family) if dynamic else repr(signature),

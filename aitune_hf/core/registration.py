@@ -137,6 +137,8 @@ class Registration:
             candidates=candidates,
             progress=Progress(self._pending_count, enabled=config.progress),
             bypassed=lambda: self.bypassed,
+            bypass=self.bypass,
+            served=self._served,
             cache=cache,
             skipped=skipped,
             background=BackgroundTuner(", ".join(list(modules)[:2])) if config.background else None,
@@ -184,7 +186,8 @@ class Registration:
                 )
 
     @staticmethod
-    def _check_not_nested(modules: dict[str, torch.nn.Module]) -> None:
+    def _check_not_nested(modules: dict[str, torch.nn.Module], over: torch.nn.Module | None = None) -> None:
+        """Targets may not nest, but for blocks that `descend(keep=True)` adds inside the target it keeps (`over`)."""
         owners: dict[int, str] = {}
         for name, module in modules.items():
             for sub in module.modules():
@@ -196,7 +199,11 @@ class Registration:
                     f"targets may not nest: {name!r} is inside {owners[id(module)]!r}; register one of the two"
                 )
         inside_held = {
-            id(sub): target.name for held, target in list(_HELD.items()) for sub in held.modules() if sub is not held
+            id(sub): target.name
+            for held, target in list(_HELD.items())
+            if held is not over
+            for sub in held.modules()
+            if sub is not held
         }
         for name, module in modules.items():
             if id(module) in inside_held:
@@ -230,17 +237,23 @@ class Registration:
                 _HELD.pop(target.module, None)
             raise
 
-    def descend(self, name: str, children: Mapping[str, torch.nn.Module]) -> list[Target]:
-        """Replace target `name` by new targets for modules inside it (all or nothing).
+    def descend(self, name: str, children: Mapping[str, torch.nn.Module], keep: bool = False) -> list[Target]:
+        """Add targets for modules inside target `name` (all or nothing); they start RECORDING, in order.
 
-        For a target that did not win as a whole: its children are tried instead. The old target is detached
-        and its last report kept in `descended`; the new targets start RECORDING in its place, in order.
+        For a target that did not win as a whole, its children are tried instead. Without `keep`, the old target is
+        detached and its last report kept in `descended`; the new targets take its place. With `keep`, it stays, kept
+        whole over its blocks (`Target.inner`): its routes that serve go on serving their shape families whole, and
+        every other call runs its eager forward, where the new targets route their own calls; a shape family it meets
+        later is tuned once its blocks have decided it, against them as they serve. Its routes are re-guarded with the
+        blocks' routers in place (a route whose guard fails now is dropped).
         """
         if self._detached:
             raise UsageError("descend() after detach(): register the modules again")
         if name not in self._targets:
             raise UserInputError(f"no target named {name!r}; targets: {', '.join(self._targets)}")
         parent = self._targets[name]
+        if keep and parent.inner:
+            raise UserInputError(f"{name!r} is kept whole over its blocks already; descend() keeps it once")
         new_modules = _collect(dict(children))
         inside = {id(m) for m in parent.module.modules() if m is not parent.module}
         for child_name, module in new_modules.items():
@@ -250,12 +263,20 @@ class Registration:
                 )
             if child_name in self._targets:
                 raise UserInputError(f"a target named {child_name!r} exists already")
-        report = parent.report()
-        parent.uninstall()
-        del _HELD[parent.module]
         new_targets = {
             child_name: Target(child_name, module, self._context) for child_name, module in new_modules.items()
         }
+        if keep:
+            self._check_free(new_modules)
+            self._check_not_nested(new_modules, over=parent.module)
+            with parent.regarding(list(new_targets.values())):  # re-guards its routes once the routers are in
+                self._install(list(new_targets.values()))
+            self._targets = _splice(self._targets, name, {name: parent, **new_targets})
+            self._modules = _splice(self._modules, name, {name: parent.module, **new_modules})
+            return list(new_targets.values())
+        report = parent.report()
+        parent.uninstall()
+        del _HELD[parent.module]
         try:
             self._check_free(new_modules)
             self._check_not_nested(new_modules)
@@ -337,6 +358,17 @@ class Registration:
             yield
         finally:
             self._local.paused -= 1
+
+    @contextlib.contextmanager
+    def _served(self) -> Iterator[None]:
+        """Lift `bypass()` in this thread inside the block: a target kept whole over its blocks times its eager side
+        with the blocks served, as they serve a call (`Target.inner`), while its references and builds run eager."""
+        paused = getattr(self._local, "paused", 0)
+        self._local.paused = 0
+        try:
+            yield
+        finally:
+            self._local.paused = paused
 
     @property
     def gate_required(self) -> bool:

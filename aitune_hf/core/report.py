@@ -129,6 +129,9 @@ class ModuleReport:
     signatures_over_limit: int = 0  # calls of signatures beyond max_signatures: run eager, not recorded
     idle: bool = False  # never called since registration (a VAE's encoder where nothing encodes)
     training: str | None = None  # why its latest calls ran eager in training mode (`signature.training_reason`)
+    #: Kept whole over blocks that are targets of their own (`Target.inner`): their names. Its "eager" is then its
+    #: forward with those blocks served: what it was timed against, and what serves the families it does not win.
+    blocks: list[str] = field(default_factory=list)
 
     @property
     def backend(self) -> str:
@@ -253,6 +256,12 @@ class TuningReport:
             if report.training:
                 note = f"{note}; " if note else ""
                 note += f"runs eager in training mode, never tuned in it: {report.training}"
+            if report.blocks:
+                note = f"{note}; " if note else ""
+                note += (
+                    f"kept whole over its {len(report.blocks)} blocks: eager here is its blocks as they serve, timed "
+                    "against the whole; a shape family the whole does not win runs its blocks"
+                )
             demoted = next((s.demoted for s in report.signatures if s.demoted), None)
             if demoted:
                 note = f"{note}; " if note else ""
@@ -331,6 +340,12 @@ class TuningReport:
             lines.append(self.cache)
         for name, report in self.descended.items():
             lines.append(f"descended into {name} ({report.module_class}): as a whole it stayed eager: {report.reason}")
+        for name, report in self.modules.items():
+            if report.blocks:
+                lines.append(
+                    f"kept whole over its blocks: {name} ({report.module_class}) serves whole the shape families where "
+                    f"it beats its {len(report.blocks)} blocks as they serve; its blocks serve the others"
+                )
         quality = self.quality_line()
         if self.end_to_end and self.end_to_end.get("speedup") is None:  # whole calls seen, none comparable
             lines.insert(0, f"end to end: not measured ({self.end_to_end.get('method', 'no comparable calls')})")

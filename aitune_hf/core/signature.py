@@ -231,6 +231,16 @@ def covers(reference: InputSignature, dynamic_dims: Sequence[frozenset[int]], si
     return True
 
 
+def same_unit_dims(reference: InputSignature, signature: InputSignature) -> bool:
+    """True when `signature` (of `reference`'s family) has size 1 in exactly the dimensions where `reference` has: a
+    batch of one and a batch of 32 are not alike here (what serves one best may not serve the other), a batch of 32 and
+    one of 8 are, as a polymorphic export sees them (it keeps sizes 0 and 1 fixed)."""
+    for ref, spec in zip(reference.tensor_specs, signature.tensor_specs, strict=True):
+        if [size <= 1 for size in ref.shape] != [size <= 1 for size in spec.shape]:
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class _OpaqueLeaf:
     """A leaf that is neither a tensor nor a plain scalar, identified by its type only."""

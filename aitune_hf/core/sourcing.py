@@ -38,6 +38,9 @@ class Sourcing:
     module: torch.nn.Module
     context: TuningContext
     unavailable_reason: Callable[[Backend], str | None]
+    #: For a target kept whole over its blocks (`Target.inner`), their classes: its decisions were timed against them,
+    #: so they are other cache entries than its decisions as a whole alone.
+    over: tuple[str, ...] = ()
 
     def decide(self, job: TuningJob, signatures: list[InputSignature], dynamic: bool) -> Decision:
         """An identical sibling's decision, a cached one (`core/cache.py`), or a new one; each checked on the
@@ -50,7 +53,7 @@ class Sourcing:
         with (
             consult(context.cache, self.module, lambda: key_fields(
                 self.module, signatures, dynamic, context.config, context.candidates, repr(context.strategy),
-                layout_of(job.samples[0].args, job.samples[0].kwargs), fingerprint(),
+                layout_of(job.samples[0].args, job.samples[0].kwargs), fingerprint(), self.over,
             )) as entry,
             build_context(
                 place=entry.place if entry is not None else None,

@@ -115,8 +115,12 @@ class TuningJob:
         kind: str | None = None,
         name: str | None = None,
         evidence: KindEvidence | None = None,
+        baseline: Callable[..., Any] | None = None,
     ) -> None:
         started = clock() if started is None else started
+        #: What the candidates are timed against (`time`'s "eager"): `forward`, or for a target kept whole over its
+        #: blocks its forward with the blocks served (`Target.inner`); references and builds use `forward`.
+        self.baseline = baseline if baseline is not None else forward
         #: The block's kind (its module's class name), its target's name, and what earlier blocks of the kind showed.
         self.kind = kind if kind is not None else type(module).__name__
         self.name = name if name is not None else self.kind
@@ -299,7 +303,7 @@ class TuningJob:
 
         Returns the candidates that survived; one that raised while being timed gets its error recorded.
         """
-        fns = {"eager": self.forward} | {result.backend: self.serving(result, built) for result, built in candidates}
+        fns = {"eager": self.baseline} | {result.backend: self.serving(result, built) for result, built in candidates}
         timed = [self.samples[i] for i in self._timed]
         stateful = any(sample.stateful for sample in timed)
 

@@ -22,12 +22,13 @@ and the user's call returns the eager output.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import enum
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -182,6 +183,9 @@ class Target:
         self._slot: ForwardSlot | None = None
         self._original: Callable[..., Any] | None = None
         self._router: _ForwardRouter | None = None
+        #: Targets for blocks inside this one, where it is kept whole over them (`regarding`): calls no route of its own
+        #: serves run its forward with its blocks routing their own calls, and its candidates are timed against that.
+        self.inner: tuple[Target, ...] = ()
         #: Held while state, samples or routes change, and while this target tunes.
         self._lock = threading.RLock()
 
@@ -309,11 +313,14 @@ class Target:
     def call(self, *args: Any, **kwargs: Any) -> Any:
         """Route one forward call (from any thread)."""
         state = self._state
+        context = self._context
         # While it tunes (in this thread or another), the module runs eager: backends build without touching it
         # (`Backend.build`), so other threads never wait for a tuning.
-        if state in (TargetState.TUNING, TargetState.DETACHED) or self._pinned is not None or self._context.bypassed():
+        if state in (TargetState.TUNING, TargetState.DETACHED) or self._pinned is not None or context.bypassed():
+            if state is TargetState.TUNING:
+                context.note_off_route()
             return self.original_forward(*args, **kwargs)
-        observer = self._context.on_call
+        observer = context.on_call
         if observer is not None:
             observer(self.name)
             state = self._state  # the observer may have armed this target
@@ -324,6 +331,7 @@ class Target:
             if training is not None:  # dropout is live: nothing to record, tune or check; eager, as the module is
                 self.training = training
                 self._count("eager")
+                context.note_off_route()
                 return self.original_forward(*args, **kwargs)
         if self.training is not None:
             self.training = None
@@ -331,25 +339,93 @@ class Target:
             checked = self._check_new_shape(signature, args, kwargs)
             if checked is not _NOT_COVERED:
                 return checked
-        if route is None and (notes := self._context.notes()) is not None and notes.replay:
+        if route is None and (notes := context.notes()) is not None and notes.replay:
             self._count("eager")  # a replay of a whole call (a check, the gate): it records and tunes nothing
+            context.note_off_route()
             return self.original_forward(*args, **kwargs)
+        held: Sample | None = None  # kept whole over its blocks: a call recorded once its blocks had routes for it
         if route is None:
+            context.note_off_route()
             with self._lock:
                 if change is not None:
                     self._changed(change)
                 if self._accepts_samples(signature):
-                    self._record(signature, args, kwargs)
+                    if self.inner:
+                        held = self._capture(args, kwargs)
+                    else:
+                        self._record(signature, args, kwargs)
             if state is TargetState.ARMED:  # armed, and no route for this call
-                background = self._context.background
+                background = context.background
                 if background is not None:  # no call waits for a tuning: the worker tunes, this call runs eager
                     background.submit(self)
                 elif self._tune_if_free():
                     route, _ = self._lookup(signature)
+                    if route is None and held is not None and self._families:  # what it just built may cover the call
+                        checked = self._check_new_shape(signature, args, kwargs)
+                        if checked is not _NOT_COVERED:
+                            return checked
         if route is not None and route.built is not None:
             return self._serve(signature, route, args, kwargs)
         self._count("eager")
-        return self.original_forward(*args, **kwargs)
+        if held is None:
+            return self.original_forward(*args, **kwargs)
+        before = context.off_route()
+        output = self.original_forward(*args, **kwargs)  # its blocks route their own calls
+        if context.off_route() == before:  # every block call inside was served by a route: its blocks decided it
+            with self._lock:
+                self._record(signature, args, kwargs, held)
+        return output
+
+    def _capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sample | None:
+        """A copy of this call's inputs, taken before it runs (a forward may change what it is given); None where it
+        cannot be taken (`_record` says why)."""
+        try:
+            return Sample.capture(args, kwargs)
+        except Exception:
+            return None
+
+    def _eager(self, *args: Any, **kwargs: Any) -> Any:
+        """Eager's output, the reference a build is checked against: for a target kept whole over its blocks, with
+        its blocks eager too (not as they serve, which is within tolerance of eager, not eager)."""
+        if not self.inner:
+            return self.original_forward(*args, **kwargs)
+        with self._context.bypass():
+            return self.original_forward(*args, **kwargs)
+
+    def _through_blocks(self, *args: Any, **kwargs: Any) -> Any:
+        """The eager side a target kept whole over its blocks is timed against: its forward with its blocks served."""
+        with self._context.served():
+            return self.original_forward(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def regarding(self, inner: list[Target]) -> Iterator[None]:
+        """Keep this target whole over `inner`, targets for blocks inside it that the block installs (`Registration.
+        descend(keep=True)`). Its routes were guarded without the blocks' routers in their forward slots: each route
+        whose guard holds before is guarded again once they are in (the same state, routers aside); a route whose
+        guard fails now is dropped (its state is gone)."""
+        with self._lock:
+            held = {id(route): route.holds() is None for route in self.routes}
+            fallbacks = {
+                id(route): route.fallback[2].check() is None for route in self.routes if route.fallback is not None
+            }
+            yield
+            config = self._context.config
+
+            def regard(guard: ModuleGuard) -> ModuleGuard:
+                return ModuleGuard(self.module, weights=guard.weights is not None, weight_check=config.weight_check)
+
+            for route in self.routes:
+                if held.get(id(route)):
+                    route.guard = regard(route.guard)
+                route.alike_only = route.family_wide  # eager over a batch of 32 says nothing of single queries
+                if route.fallback is not None:
+                    backend, built, guard = route.fallback
+                    route.fallback = (backend, built, regard(guard)) if fallbacks.get(id(route)) else None
+            self._routes = {sig: kept for sig, rs in self._routes.items() if (kept := [r for r in rs if held[id(r)]])}
+            self._families = {
+                family: kept for family, rs in self._families.items() if (kept := [r for r in rs if held[id(r)]])
+            }
+            self.inner = tuple(inner)
 
     def _tune_if_free(self) -> bool:
         """Tune now unless another thread is tuning (any target): then this call runs eager and the target
@@ -412,7 +488,7 @@ class Target:
             self._count("eager")
             return self.original_forward(*args, **kwargs)
         with Stopwatch() as watch:
-            output = self.original_forward(*args, **kwargs)
+            output = self._eager(*args, **kwargs)
             fell_back = built.fell_back() if built.fell_back is not None else 0
             try:
                 candidate = built.fn(*args, **kwargs)
@@ -551,6 +627,7 @@ class Target:
                 route.backend, route.built, route.guard = None, None, ModuleGuard(self.module)
                 family = route.reference.family if route.reference is not None else None
                 route.family_wide = any(r is route for r in self._families.get(family, ()))
+                route.alike_only = route.family_wide and bool(self.inner)
                 route.report.chosen = "eager"
                 route.report.reason = f"{note}; fp32 lost to eager when tuned ({route.fp32_lost})"
                 route.report.demoted = note
@@ -595,9 +672,12 @@ class Target:
         """Record this call? Not when it could not get a route anyway (the route bound is reached)."""
         return not (self._routes.get(signature) and self._route_count() >= self._context.config.max_routes)
 
-    def _record(self, signature: InputSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Keep a copy of this call for tuning, within the sample bounds (config.max_sample_bytes: the most
-        recent calls are kept; config.max_signatures: further signatures are counted, not kept)."""
+    def _record(
+        self, signature: InputSignature, args: tuple[Any, ...], kwargs: dict[str, Any], sample: Sample | None = None
+    ) -> None:
+        """Keep a copy of this call for tuning (`sample`, where it was taken before the call ran), within the sample
+        bounds (config.max_sample_bytes: the most recent calls are kept; config.max_signatures: further signatures are
+        counted, not kept)."""
         config = self._context.config
         self.calls_recorded += 1
         try:
@@ -608,7 +688,7 @@ class Target:
             self._recorded_by_signature[signature] += 1
             kept = self.samples.get(signature, [])
             if len(kept) < config.max_samples_per_signature:
-                sample = Sample.capture(args, kwargs)
+                sample = sample if sample is not None else Sample.capture(args, kwargs)
                 if sample.nbytes <= config.max_sample_bytes:
                     self._evict(config.max_sample_bytes - sample.nbytes)
                     self.samples.setdefault(signature, []).append(sample)
@@ -693,13 +773,27 @@ class Target:
         started: float | None = None,
     ) -> None:
         """Add a route for `signatures` (one signature, or the shapes of one family when `dynamic`) in the current
-        module state (or an eager one, with the reason). `started`: when this target's tuning began (its budget)."""
+        module state (or an eager one, with the reason). `started`: when this target's tuning began (its budget).
+
+        Kept whole over its blocks (`inner`): references, builds and checks run with the blocks eager (a build exports
+        the module as it computes, never through a router), and the candidates are timed against the forward with the
+        blocks served (`_through_blocks`): the whole serves a family only where it beats its blocks."""
+        with self._context.bypass() if self.inner else contextlib.nullcontext():
+            self._decide_here(signatures, samples, dynamic, started)
+
+    def _decide_here(
+        self,
+        signatures: list[InputSignature],
+        samples: dict[InputSignature, list[Sample]],
+        dynamic: bool,
+        started: float | None,
+    ) -> None:
         context = self._context
         described = describe_family(signatures)
         try:
             job = TuningJob(
                 self.module, self.original_forward, samples, context.config, self.unavailable_reason, dynamic, started,
-                name=self.name, evidence=context.evidence,
+                name=self.name, evidence=context.evidence, baseline=self._through_blocks if self.inner else None,
             )  # fmt: skip
         except NoEvidence as error:
             self._no_evidence = str(error)  # nothing decided: record again, tune when armed again
@@ -718,7 +812,8 @@ class Target:
             self._add_route(signatures, Route(None, None, report, ModuleGuard(self.module)))
             return
         try:
-            decision = Sourcing(self.name, self.module, self._context, self.unavailable_reason).decide(
+            over = tuple(type(t.module).__qualname__ for t in self.inner)
+            decision = Sourcing(self.name, self.module, self._context, self.unavailable_reason, over).decide(
                 job, signatures, dynamic
             )
         except Exception as error:
@@ -734,6 +829,7 @@ class Target:
             decision.report.demoted, self._demoted = self._demoted, None
         family_wide = dynamic and decision.built is None
         route = Route(decision.backend, decision.built, decision.report, guard, job.signature, family_wide)
+        route.alike_only = family_wide and bool(self.inner)
         if decision.backend is not None and decision.backend.precision != "fp32":
             route.fallback, route.provisional = decision.fallback, context.gate_required
             route.fp32_lost = decision.fp32_lost
@@ -792,6 +888,7 @@ class Target:
             signatures_over_limit=self.signatures_over_limit,
             idle=self.idle,
             training=self.training,
+            blocks=[t.name for t in self.inner],
         )
 
     def __repr__(self) -> str:

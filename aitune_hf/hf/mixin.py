@@ -106,8 +106,9 @@ class AITuneMixin:
 
         `targets="auto"` tunes whole components first, with `component_backends` only (default: the ONNX runtimes
         installed, ONNX Runtime and OpenVINO: exports are quick; whole-component compiles are not); each component
-        that stays eager is then replaced by its blocks, which record in the next call and tune, with every backend,
-        in the call after.
+        that stays eager on a shape family then gets its blocks as targets beneath it, which record in the next call
+        and tune, with every backend, in the call after; the component serves whole the families where it beats them
+        (docs/targets.md).
 
         Raises (before anything is registered or patched):
             ConfigError: a bad `tune_after_calls`, `component_backends` or `TuningConfig` field; a `quality` budget
@@ -242,21 +243,28 @@ class AITuneMixin:
         state.kinds = frozenset({kind})
 
     def _aitune_descend(self, state: _AITuneState) -> None:
-        """Auto mode, once every component is decided (the schedule calls it): replace each component that stayed
-        eager by its blocks; they record in the next whole call, and tune after it."""
+        """Auto mode, once every component is decided (the schedule calls it): each component that stayed eager on a
+        shape family it met gets targets for its blocks, which record in the next whole call and tune after it. The
+        component is kept whole over them (`Registration.descend(keep=True)`): the families it won go on serving
+        whole, the others run its blocks, and a family met later serves whole only where the whole beats the blocks."""
         registration = state.registration
         blocks = find_targets(self, "blocks")
         new_found = []
         for component in list(state.found):
             target = registration.targets[component.name]
             inside = [b for b in blocks if any(b.module is m for m in component.module.modules())]
-            if target.state is not TargetState.EAGER or not inside:
+            eager_somewhere = target.state is TargetState.EAGER or any(r.built is None for r in target.routes)
+            if not eager_somewhere or not inside:
                 new_found.append(component)
                 continue
-            logger.info("auto: %s stayed eager as a whole; descending into %d block(s)", component.name, len(inside))
-            registration.descend(component.name, as_modules(inside))
+            # Kept eager for good (weights that move inside it, a hook): its blocks replace it, as nothing of it serves.
+            keep = target.pinned_reason is None
+            logger.info("auto: %s stayed eager as a whole%s; its %d block(s) %s", component.name,
+                        " on a shape family" if keep else "", len(inside),
+                        "beneath it" if keep else "replace it")  # fmt: skip
+            registration.descend(component.name, as_modules(inside), keep=keep)
             _apply_weight_motion(registration, inside)
-            new_found += inside
+            new_found += [component, *inside] if keep else inside
         state.found = new_found
 
     def _aitune_needs_eager(self, kwargs: dict[str, Any]) -> bool:

@@ -9,8 +9,8 @@ over its whole calls (`Phase`); these are its only moves (`_TRANSITIONS`):
                             next forward (inside the next call, or on the background worker)
     RECORDING -> SERVING    every target decided before that (from the cache, or kept eager by offload)
     ARMED     -> SERVING    every target decided
-    (either)  -> DESCENDED  the same two, with targets="auto": the mixin replaces the components that stayed eager by
-                            their blocks, which record in the next whole call
+    (either)  -> DESCENDED  the same two, with targets="auto": the mixin gives the components that stayed eager on a
+                            shape family their blocks as targets beneath them, which record in the next whole call
     DESCENDED -> SERVING    at the end of that next whole call, which arms the blocks (where arming is automatic)
 
 Two rules hold in every phase where arming is automatic (`tune_after_calls` is an int): the end of whole call
@@ -73,8 +73,9 @@ class Schedule:
         registration: what it arms (`Registration.tune`).
         owner: the object's class name, for the log.
         tune_after_calls: the whole call whose end arms; None: only `aitune.tune()` arms.
-        auto: targets="auto": once every component is decided, the mixin replaces those that stayed eager by
-            their blocks (the `descend` given to `arm_after`), and the end of the next call arms them.
+        auto: targets="auto": once every component is decided, the mixin gives those that stayed eager on a shape
+            family their blocks as targets beneath them (the `descend` given to `arm_after`), and the end of the next
+            call arms them.
     """
 
     def __init__(self, registration: Registration, owner: str, tune_after_calls: int | None, auto: bool) -> None:
@@ -136,8 +137,9 @@ class Schedule:
     def arm_after(self, calls: int, descend: Callable[[], None]) -> None:
         """Move on after whole call number `calls` (from `call_ends`) and arm where the phase or a rule says so.
 
-        `descend` (targets="auto") replaces the components that stayed eager by their blocks; it runs once, when
-        every component is decided, before this call's arming (which arms the new blocks too)."""
+        `descend` (targets="auto") adds the blocks of the components that stayed eager on a shape family beneath
+        them; it runs once, when every component is decided, before this call's arming (which arms the new blocks
+        too)."""
         registration = self.registration
         with self._lock:  # one thread moves the phase at a time; descend and tune run outside the lock
             descends = False

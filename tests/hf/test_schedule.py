@@ -44,9 +44,9 @@ def test_auto_mode_descends_into_the_blocks_of_an_eager_component_and_arms_them_
     seen, _ = _phases("auto", 4)
     assert seen == [
         (Phase.ARMED, {"armed": 1}),  # the model as one component
-        (Phase.DESCENDED, {"idle": 2}),  # it stayed eager: its two blocks replace it
-        (Phase.SERVING, {"armed": 2}),  # they recorded in this call; its end armed them
-        (Phase.SERVING, {"eager": 2}),
+        (Phase.DESCENDED, {"eager": 1, "idle": 2}),  # it stayed eager: its two blocks get targets beneath it
+        (Phase.SERVING, {"eager": 1, "armed": 2}),  # they recorded in this call; its end armed them
+        (Phase.SERVING, {"eager": 3}),
     ]
 
 
