@@ -7,9 +7,9 @@ array, `run_session` makes:
 1. the eager call (timed; its output is the reference), unless the caller passes `reference`;
 2. `obj.enable_aitune(targets, **enable_kwargs)`;
 3. the recording call (every target runs eager and records its inputs; the mixin arms tuning at its end);
-4. the tuning call, and at most `max_extra_calls` more while `registration.all_tuned` is False (a target that
-   did not run in a call tunes in the next; `targets="auto"` records and tunes the blocks of the components
-   that stayed eager in two more calls);
+4. the tuning call, and at most `max_extra_calls` more while `registration.all_tuned` is False or the registration
+   is `settling` (a target that did not run in a call tunes in the next; `targets="auto"` records and tunes the
+   blocks of the components that stayed eager in two more calls);
 5. the tuned call (timed; its output is checked against the reference);
 6. optionally `obj.measure_aitune(**call_kwargs, rounds=rounds)`: interleaved eager and tuned whole calls,
    recorded in the report as the end-to-end speed-up.
@@ -230,11 +230,12 @@ def _record(run: Callable[[], Any], say: Callable[[str], None]) -> float:
 def _tune(
     registration: Any, run: Callable[[], Any], manual: bool, max_extra_calls: int, say: Callable[[str], None]
 ) -> tuple[float, int]:
-    """Tuning calls: one, and up to `max_extra_calls` more while some target has not decided (`manual`: armed here by
-    `registration.tune()`). Their seconds together, and how many."""
+    """Tuning calls: one, and up to `max_extra_calls` more while some target has not decided or more calls will tune
+    (`Registration.settling`: the blocks a descent added; `manual`: armed here by `registration.tune()`). Their seconds
+    together, and how many."""
     say("tuning: in the next call each target builds, checks and times its candidates inside the call's own flow")
     seconds, calls = 0.0, 0
-    while calls == 0 or (not registration.all_tuned and calls <= max_extra_calls):
+    while calls == 0 or ((not registration.all_tuned or registration.settling) and calls <= max_extra_calls):
         if manual and not any(t.armed for t in registration.targets.values()):
             registration.tune()
         with Stopwatch() as tuning:

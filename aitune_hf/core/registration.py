@@ -153,6 +153,8 @@ class Registration:
         self._targets = {name: Target(name, module, self._context) for name, module in modules.items()}
         #: Reports of targets that `descend()` replaced by targets inside them, by name.
         self.descended: dict[str, ModuleReport] = {}
+        #: Names of the targets `descend()` added (`settling`).
+        self._descended_into: list[str] = []
         #: End-to-end timings measured by the caller (the Hugging Face layer times whole pipeline calls).
         self.end_to_end: dict[str, Any] | None = None
         self._install_all()
@@ -273,6 +275,7 @@ class Registration:
                 self._install(list(new_targets.values()))
             self._targets = _splice(self._targets, name, {name: parent, **new_targets})
             self._modules = _splice(self._modules, name, {name: parent.module, **new_modules})
+            self._descended_into += list(new_targets)
             return list(new_targets.values())
         report = parent.report()
         parent.uninstall()
@@ -288,6 +291,7 @@ class Registration:
         self.descended[name] = report
         self._targets = _splice(self._targets, name, new_targets)
         self._modules = _splice(self._modules, name, new_modules)
+        self._descended_into += list(new_targets)
         return list(new_targets.values())
 
     # -- public API ---------------------------------------------------------------------------------
@@ -323,6 +327,15 @@ class Registration:
         targets (never called, such as a VAE's encoder stages in a text-to-image pipeline) are not waited for."""
         targets = self._targets.values()
         return any(t.decided for t in targets) and all(t.decided or t.idle for t in targets)
+
+    @property
+    def settling(self) -> bool:
+        """True while a target that has been called is armed (it tunes at its next call), or one that `descend()` added
+        has not been called yet (it records in the next whole call): more calls will tune. `all_tuned` does not wait
+        for targets never called (a VAE's encoder stages), and so not for the blocks a descent just added."""
+        return any(t.armed and not t.idle for t in self._targets.values()) or any(
+            self._targets[name].idle for name in self._descended_into if name in self._targets
+        )
 
     @property
     def detached(self) -> bool:
