@@ -253,3 +253,25 @@ def test_an_eager_family_of_batches_kept_over_blocks_covers_other_batches_but_no
             torch.testing.assert_close(out, expected[batch], rtol=0, atol=0)
     reg.detach()
     assert _unpatched(model)
+
+
+def test_a_registration_is_settling_until_the_blocks_a_descent_added_have_tuned() -> None:
+    """`all_tuned` does not wait for targets never called, so right after a descent it holds while the new blocks have
+    not even recorded: `settling` says more calls will tune (the session keeps calling while it is True)."""
+    torch.manual_seed(0)
+    model = Wasteful().eval()
+    x8 = torch.randn(8, WIDTH)
+    with torch.no_grad():
+        reg = register({"model": model}, _config(backends=[Whole(batch=1), OnceBlocks()]))
+        model(x8)
+        reg.tune()
+        model(x8)
+        assert reg.all_tuned and not reg.settling
+        reg.descend("model", _blocks(model), keep=True)
+        assert reg.all_tuned and reg.settling  # the blocks were never called
+        model(x8)  # they record
+        reg.tune()
+        assert reg.settling  # armed, called before
+        model(x8)  # they tune
+    assert reg.all_tuned and not reg.settling, reg.report()
+    reg.detach()
