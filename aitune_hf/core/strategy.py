@@ -77,8 +77,9 @@ class TuningJob:
     `samples` maps each signature to its recorded calls, hottest signature first. With `dynamic`, the signatures
     are one shape family (`InputSignature.family`): a polymorphic backend is built once for all of them
     (`Backend.build(..., dynamic=True)`), checked on every recorded call of every shape, and timed on one call
-    of each of the `TIMED_SHAPES` hottest shapes. A backend that builds one shape at a time is tried only on a family
-    of one shape, and then serves that shape only.
+    of each of the `TIMED_SHAPES` hottest shapes (fewer where their eager calls take over `TIMED_ROUND_S` a round).
+    A backend that builds one shape at a time is tried only on a family of one shape, and then serves that shape
+    only.
 
     Replays never touch what the user holds: each replay gets fresh copies of object inputs (`Sample.as_call`),
     and a candidate's check compares both its outputs and what it did to those objects (a KV cache it
@@ -102,6 +103,10 @@ class TuningJob:
 
     #: Shapes of a family that candidates are timed on (the hottest ones).
     TIMED_SHAPES = 3
+    #: Eager seconds a timed round may take: beyond the hottest shape, another is timed only while the round's eager
+    #: calls stay within it. A whole MiniLM at batch 32 takes 0.5 s a call; its three shapes made a round of eager and
+    #: two candidates 4.5 s, and a candidate near the threshold 15 rounds: 70 s of timing for one decision.
+    TIMED_ROUND_S = 0.3
 
     def __init__(
         self,
@@ -161,6 +166,7 @@ class TuningJob:
             )
         if not self._timed:
             self._timed = list(range(len(self.samples)))
+        self._timed = self._affordable(self._timed)
         self.report = SignatureReport(
             signature=describe_family(self.signatures),
             samples=len(self.samples),
@@ -174,16 +180,30 @@ class TuningJob:
     def _references(self, forward: Callable[..., Any], replayable: list[tuple[Any, Sample]], hot: set[Any]) -> None:
         """Replay every recorded call eager: the references the candidates are checked against (and which calls of
         the hottest shapes are timed)."""
-        self.samples, self.references, self._timed = [], [], []
+        self.samples, self.references, self._timed, self._seconds = [], [], [], []
         for signature, sample in replayable:
             call = sample.as_call()
-            reference = self._observe(sample, call, forward(*call[0], **call[1]))
+            with Stopwatch(self.devices) as watch:
+                output = forward(*call[0], **call[1])
+            reference = self._observe(sample, call, output)
             if _all_finite(reference):
                 if signature in hot:
                     hot.discard(signature)
                     self._timed.append(len(self.samples))
                 self.samples.append(sample)
                 self.references.append(reference)
+                self._seconds.append(watch.seconds)
+
+    def _affordable(self, timed: list[int]) -> list[int]:
+        """The calls to time, hottest first: the first, then each next one while the round's eager seconds (as the
+        references took them) stay within `TIMED_ROUND_S`."""
+        kept, spent = [], 0.0
+        for index in timed:
+            spent += self._seconds[index]
+            if kept and spent > self.TIMED_ROUND_S:
+                break
+            kept.append(index)
+        return kept
 
     @property
     def budget_spent(self) -> bool:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -844,3 +846,48 @@ def test_the_payback_line_from_the_end_to_end_measurement() -> None:
     assert slower.payback()["calls"] is None and "never pays off" in str(slower)
     assert TuningReport({"block": module}, tuning_seconds=5.0).payback() is None
     assert "payback" not in str(TuningReport({"block": module}, tuning_seconds=5.0))
+
+
+class SlowCalls(nn.Module):
+    """Each call takes 0.2 s (a whole model at batch 32 takes 0.5 s here): three shapes would make a timed round of
+    eager alone 0.6 s."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.2)
+        return x * 2
+
+
+class CountsShapes(Backend):
+    """A polymorphic build that serves eager's forward and counts its calls by batch size."""
+
+    name = "counts_shapes"
+    polymorphic = True
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter[int] = collections.Counter()
+
+    def build(
+        self, module: nn.Module, forward: Callable[..., Any], samples: Sequence[Call], dynamic: bool = False
+    ) -> BuiltBackend:
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            self.calls[x.shape[0]] += 1
+            return forward(x)
+
+        return BuiltBackend(fn=fn, dynamic_dims=(frozenset({0}),) if dynamic else None)
+
+
+def test_a_family_of_slow_calls_is_timed_on_its_hottest_shape_only() -> None:
+    """Three shapes of a family, each call 0.2 s: past the round's eager budget (`TuningJob.TIMED_ROUND_S`) after the
+    first, so candidates are timed on the hottest shape alone; every shape is still checked."""
+    backend = CountsShapes()
+    module = SlowCalls().eval()
+    reg = register({"slow": module}, _config(backends=[backend], min_speedup=0, warmup=1, repeats=2))
+    with torch.no_grad():
+        for rows in (4, 4, 2, 3):  # batch 4 is the hottest
+            module(torch.ones(rows, 8))
+        reg.tune()
+        module(torch.ones(4, 8))
+    assert reg.targets["slow"].state is TargetState.TUNED, reg.report()
+    assert backend.calls[2] == 1 and backend.calls[3] == 1  # checked once each, never timed
+    assert backend.calls[4] >= 2 + 1 + 2  # its two checks, then the warm-up and timed rounds (and the call served)
+    reg.detach()
