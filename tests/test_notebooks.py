@@ -1,4 +1,5 @@
-"""The notebooks in notebooks/ run end to end (tiny sizes, ONNX Runtime only) and are committed with outputs.
+"""The notebooks in notebooks/ run end to end (tiny sizes, ONNX Runtime only, one build per shape) and are committed
+with outputs.
 
 Each notebook is executed with nbclient in a fresh ``python3`` kernel (the kernelspec that ipykernel installs
 into the environment; jupyter_client starts it with this interpreter), in a temporary working directory, after
@@ -20,7 +21,7 @@ pytest.importorskip("matplotlib", reason="needs the notebooks extra: pip install
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = ("01_stable_diffusion_blocks.ipynb", "02_flux_transformer.ipynb", "03_transformers_minilm.ipynb")
-TINY = 'SIZE = "tiny"; THREADS = 1; BACKENDS = ["onnxruntime"]; ROUNDS = 2'
+TINY = 'SIZE = "tiny"; THREADS = 1; BACKENDS = ["onnxruntime"]; ROUNDS = 2; SHAPES = "exact"'
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 #: PNG outputs per notebook: the report plot, and in 01 the fp32 eager and `precision="auto"` images side by side.
 PNGS = {"01_stable_diffusion_blocks.ipynb": 2}
