@@ -76,12 +76,12 @@ class OnceBlocks(Backend):
 class Whole(Backend):
     """Builds a `Wasteful` whole: its blocks' MLPs once each, nothing dropped (the same output). With `batch`, only
     for calls of that batch size; with `extra`, it runs one MLP more than it needs (three MLPs where eager runs four
-    and its blocks, built, two)."""
+    and its blocks, built, two); with `bakes`, it says it baked the weights (the core then checks their values)."""
 
     name = "whole"
 
-    def __init__(self, batch: int | None = None, extra: bool = False) -> None:
-        self.batch, self.extra = batch, extra
+    def __init__(self, batch: int | None = None, extra: bool = False, bakes: bool = False) -> None:
+        self.batch, self.extra, self.bakes = batch, extra, bakes
         self.builds = 0
 
     def build(self, module: nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
@@ -92,7 +92,7 @@ class Whole(Backend):
         self.builds += 1
         if self.extra:
             return BuiltBackend(fn=lambda x: (module.blocks[0].mlp(x), _once(module, x))[1])
-        return BuiltBackend(fn=lambda x: _once(module, x))
+        return BuiltBackend(fn=lambda x: _once(module, x), bakes_weights=self.bakes)
 
 
 def _config(**overrides: Any) -> TuningConfig:
@@ -274,4 +274,30 @@ def test_a_registration_is_settling_until_the_blocks_a_descent_added_have_tuned(
         assert reg.settling  # armed, called before
         model(x8)  # they tune
     assert reg.all_tuned and not reg.settling, reg.report()
+    reg.detach()
+
+
+def test_a_weight_edit_inside_a_block_stops_the_whole_from_serving_what_it_baked() -> None:
+    """The whole serves batch 1 from a build of the weights it was made with (`Whole` runs the module's own MLPs, so
+    this stands for any build: what matters is that its route stops serving); a `.data` edit inside one block (no
+    version counter moves) fails the whole's weight check, and the call equals eager in the edited state."""
+    torch.manual_seed(0)
+    model = Wasteful().eval()
+    x1 = torch.randn(1, WIDTH)
+    with torch.no_grad():
+        reg = register({"model": model}, _config(backends=[Whole(batch=1, bakes=True), OnceBlocks()]))
+        model(x1)
+        reg.tune()
+        model(x1)
+        reg.descend("model", _blocks(model), keep=True)
+        model(x1)
+        outer = reg.targets["model"]
+        served = outer.calls_served["whole"]
+        model.blocks[0].mlp.up.weight.data.mul_(1.01)
+        out = model(x1)
+        with reg.bypass():
+            expected = model(x1)
+    assert outer.calls_served["whole"] == served and outer.changes, outer.report()  # not served whole after the edit
+    assert "weight" in outer.changes[-1]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
     reg.detach()
