@@ -32,9 +32,6 @@ class Route:
     guard: ModuleGuard  # the module state the decision was made in
     reference: InputSignature | None = None  # a shape it was built on, for `covers`
     family_wide: bool = False  # an eager decision for a whole shape family: it covers every shape of it
-    #: A family-wide eager decision of a target kept whole over its blocks (`Target.inner`): it covers the shapes of
-    #: the family with size 1 where its reference has (`signature.same_unit_dims`), not single queries for batches.
-    alike_only: bool = False
     #: A reduced-precision decision: the fp32 candidate (backend, built, guard) it falls back to, None for eager.
     fallback: tuple[Backend, BuiltBackend, ModuleGuard] | None = None
     #: Where it has no fallback: why fp32 would not serve (`Decision.fp32_lost`); None where fp32 was not tried.
@@ -51,10 +48,13 @@ class Route:
         """None when this route may serve now, else what changed."""
         return self.guard.check()
 
-    def covers(self, signature: InputSignature) -> bool:
-        """True when the built backend takes `signature`'s shapes (a polymorphic build, sizes in its range)."""
+    def covers(self, signature: InputSignature, alike_only: bool = False) -> bool:
+        """True when the built backend takes `signature`'s shapes (a polymorphic build, sizes in its range). A
+        family-wide eager decision covers every shape of its family; with `alike_only` (a target kept whole over its
+        blocks, `Target.inner`) only those with size 1 where its reference has (`signature.same_unit_dims`): eager on
+        batches of 32 says nothing of single queries."""
         if self.family_wide:
-            return not self.alike_only or self.reference is None or same_unit_dims(self.reference, signature)
+            return not alike_only or self.reference is None or same_unit_dims(self.reference, signature)
         built = self.built
         if built is None or built.dynamic_dims is None or self.reference is None:
             return False

@@ -417,7 +417,6 @@ class Target:
             for route in self.routes:
                 if held.get(id(route)):
                     route.guard = regard(route.guard)
-                route.alike_only = route.family_wide  # eager over a batch of 32 says nothing of single queries
                 if route.fallback is not None:
                     backend, built, guard = route.fallback
                     route.fallback = (backend, built, regard(guard)) if fallbacks.get(id(route)) else None
@@ -462,7 +461,7 @@ class Target:
                 # fallback serves meanwhile, and may not take the shape).
                 if (signature, id(r)) not in self._rejected
                 and not r.provisional
-                and r.covers(signature)
+                and r.covers(signature, alike_only=bool(self.inner))
                 and r.holds() is None
             ),
             None,
@@ -627,7 +626,6 @@ class Target:
                 route.backend, route.built, route.guard = None, None, ModuleGuard(self.module)
                 family = route.reference.family if route.reference is not None else None
                 route.family_wide = any(r is route for r in self._families.get(family, ()))
-                route.alike_only = route.family_wide and bool(self.inner)
                 route.report.chosen = "eager"
                 route.report.reason = f"{note}; fp32 lost to eager when tuned ({route.fp32_lost})"
                 route.report.demoted = note
@@ -829,7 +827,6 @@ class Target:
             decision.report.demoted, self._demoted = self._demoted, None
         family_wide = dynamic and decision.built is None
         route = Route(decision.backend, decision.built, decision.report, guard, job.signature, family_wide)
-        route.alike_only = family_wide and bool(self.inner)
         if decision.backend is not None and decision.backend.precision != "fp32":
             route.fallback, route.provisional = decision.fallback, context.gate_required
             route.fp32_lost = decision.fp32_lost
