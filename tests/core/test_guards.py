@@ -238,21 +238,30 @@ def test_sampled_check_follows_a_moved_storage_and_keeps_the_build_values() -> N
     assert "weight 0.weight was modified" in (guard2.check() or "")
 
 
-@pytest.mark.parametrize("dtypes", ["float16", "bfloat16", "mixed"])
+@pytest.mark.parametrize("dtypes", ["float16", "bfloat16", "mixed", "int64 buffer"])
 def test_sampled_check_sees_data_edits_in_every_dtype(dtypes: str) -> None:
-    """One dtype NumPy has (float16) takes the NumPy fast path; bfloat16 and mixed dtypes the torch path: each sees
-    an edit through `.data`, and holds while nothing changes."""
+    """Dtypes NumPy has (float16; float16 beside float32; float32 beside an int64 buffer, as BERT's `position_ids`)
+    take the NumPy fast path, one comparison per dtype; bfloat16 the torch path: each sees an edit through `.data` of
+    every dtype, and holds while nothing changes."""
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(96, 200), nn.Linear(200, 64))
     if dtypes == "mixed":
         block[1].half()
+    elif dtypes == "int64 buffer":
+        block[1].register_buffer("positions", torch.arange(3 * 2**24, 3 * 2**24 + 512))  # not exact in float32
     else:
         block.to(getattr(torch, dtypes))
     guard = ModuleGuard(block, weights=True)
-    assert (guard._weights._arrays is not None) == (dtypes == "float16")  # which path this case covers
+    assert (guard._weights._arrays is not None) == (dtypes != "bfloat16")  # which path this case covers
     assert guard.check() is None
+    saved = block[1].weight.detach().clone()
     block[1].weight.data.add_(0.5)
     assert "weight 1.weight was modified" in (guard.check() or "")
+    block[1].weight.data.copy_(saved)
+    if dtypes == "int64 buffer":
+        assert guard.check() is None
+        block[1].positions.data.add_(1)  # one more than each: float32 rounds both to the same values here
+        assert "weight 1.positions was modified" in (guard.check() or "")
 
 
 def test_a_served_block_follows_moved_weights_and_runs_eager_after_an_edit() -> None:
