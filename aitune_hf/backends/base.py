@@ -170,7 +170,8 @@ class Backend(abc.ABC):
     @classmethod
     def versions(cls) -> dict[str, str | None]:
         """The packages this backend's builds depend on beyond torch, with their installed versions (None where not
-        installed): each is a part of every cache key (`core/keys.py`), so that an upgrade tunes again."""
+        installed), and the revision of any rewrite of its own that changes what a build computes: each is a part of
+        every cache key (`core/keys.py`), so that an upgrade tunes again."""
         return {}
 
     @abc.abstractmethod

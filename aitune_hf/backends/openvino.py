@@ -26,6 +26,9 @@ INSTALL_HINT = "pip install 'aitune-hf[openvino]'"
 #: Our precision names -> OpenVINO's `INFERENCE_PRECISION_HINT`. int8 is not offered: OpenVINO's CPU plugin computes
 #: int8 only for models quantized beforehand (NNCF), which this backend does not do.
 _HINTS = {"fp32": "f32", "bf16": "bf16"}
+#: The revision of what the build rewrites in the export (`fuse_masked_attention`), in every cache key: a compiled model
+#: cached before a rewrite changed what it computes is not imported. 1: the masked attention's fully masked rows.
+_REWRITES = "1"
 #: The compiled model's file name inside an artifact folder (`CompiledModel.export_model`).
 _BLOB_FILE = "model.ov.blob"
 
@@ -91,7 +94,8 @@ class OpenVinoBackend(Backend):
 
     @classmethod
     def versions(cls) -> dict[str, str | None]:
-        return {package: installed_version(package) for package in ("openvino", "onnx", "onnxscript")}
+        found = {package: installed_version(package) for package in ("openvino", "onnx", "onnxscript")}
+        return {**found, "aitune-hf openvino rewrites": _REWRITES}
 
     def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
         # OpenVINO itself is checked when the backend is made (`__init__`); the export it reads needs these, which the
