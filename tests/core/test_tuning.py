@@ -635,19 +635,23 @@ def test_a_spent_budget_skips_the_remaining_candidates_with_the_reason() -> None
 
 
 class SlowLoser(Backend):
-    """A slow build that serves eager's forward plus a second run of it: about half eager's speed, always correct."""
+    """A slow build that serves eager's forward run `runs` times (2: about half eager's speed), always correct; counts
+    its builds."""
 
     name = "slow_loser"
     build_cost = "slow"
+    runs = 2
 
     def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
         self.builds = getattr(self, "builds", 0) + 1
+        runs = self.runs
 
-        def twice(*args: Any, **kwargs: Any) -> Any:
-            forward(*args, **kwargs)
+        def repeated(*args: Any, **kwargs: Any) -> Any:
+            for _ in range(runs - 1):
+                forward(*args, **kwargs)
             return forward(*args, **kwargs)
 
-        return BuiltBackend(fn=twice)
+        return BuiltBackend(fn=repeated)
 
 
 def _tune_blocks(blocks: dict[str, torch.nn.Module], config: TuningConfig, x: torch.Tensor):
@@ -695,14 +699,7 @@ class CheapBf16Loser(SlowLoser):
     name = "cheap_bf16_loser"
     build_cost = "cheap"
     precision = "bf16"
-
-    def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
-        def slowly(*args: Any, **kwargs: Any) -> Any:
-            for _ in range(39):
-                forward(*args, **kwargs)
-            return forward(*args, **kwargs)
-
-        return BuiltBackend(fn=slowly)
+    runs = 40
 
 
 class SlowBf16(SlowLoser):
@@ -712,16 +709,7 @@ class SlowBf16(SlowLoser):
 
     name = "slow_bf16"
     precision = "bf16"
-
-    def build(self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
-        self.builds = getattr(self, "builds", 0) + 1
-
-        def slowly(*args: Any, **kwargs: Any) -> Any:
-            for _ in range(7):
-                forward(*args, **kwargs)
-            return forward(*args, **kwargs)
-
-        return BuiltBackend(fn=slowly)
+    runs = 8
 
 
 class CheapInt8Winner(CheapBf16Loser):
