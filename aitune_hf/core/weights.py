@@ -94,14 +94,14 @@ class WeightSamples:
             (positions, self._read([self._initial[i] for i in positions]))
             for positions in _by_dtype(self._views).values()
         ]
-        self._arrays = _numpy_views(self._views, self._initial)
+        self._arrays = _numpy_views(self._views, self._dtypes)
 
     def _resample(self, index: int, tensor: torch.Tensor) -> None:
         """The storage of tensor `index` moved: sample the new one. The one place the views change, so the numpy
         views of the fast path (`_arrays`) are re-made with them, never left on the old storage."""
         views = [*self._views]
         views[index] = _sample_view(tensor)
-        self._views, self._arrays = views, _numpy_views(views, self._initial)
+        self._views, self._arrays = views, _numpy_views(views, self._dtypes)
 
     def _tensors(self) -> list[torch.Tensor]:
         return [table[key] for _, table, key in self._places]
@@ -167,12 +167,12 @@ def _by_dtype(views: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
 
 
 def _numpy_views(
-    views: list[torch.Tensor], initial: list[torch.Tensor]
+    views: list[torch.Tensor], groups: list[tuple[list[int], torch.Tensor]]
 ) -> list[tuple[list[np.ndarray], np.ndarray]] | None:
-    """Per dtype, NumPy views of the sampled elements (they read the same memory as `views`, so in-place edits are
-    seen) and the values they had at build time (`initial`, concatenated once); or None where the torch path is
-    needed: a tensor off the CPU or one read whole (a reshape would copy), or a dtype NumPy lacks (bfloat16).
-    Made afresh whenever the views change (`WeightSamples._resample`).
+    """Per dtype group (`WeightSamples._dtypes`: positions and build-time samples), NumPy views of the sampled elements
+    (they read the same memory as `views`, so in-place edits are seen) and of the build-time samples; or None where the
+    torch path is needed: a tensor off the CPU or one read whole (a reshape would copy), or a dtype NumPy lacks
+    (bfloat16). Made afresh whenever the views change (`WeightSamples._resample`).
 
     Each dtype is compared in its own: a model's integer buffers (BERT's `position_ids`) beside its float weights no
     longer send every call through `torch.cat`, which promotes them (an int64 compared as float32 loses precision too).
@@ -184,10 +184,7 @@ def _numpy_views(
     if not views or any(view.device.type != "cpu" or view.dim() != 1 for view in views):
         return None
     try:
-        return [
-            ([views[i].numpy() for i in positions], np.concatenate([initial[i].numpy() for i in positions]))
-            for positions in _by_dtype(views).values()
-        ]
+        return [([views[i].numpy() for i in positions], expected.numpy()) for positions, expected in groups]
     except (TypeError, RuntimeError):  # no NumPy dtype, or a tensor NumPy cannot view
         return None
 
