@@ -9,8 +9,10 @@ process with interleaved rounds and medians.
 
 OpenVINO whole (`openvino_components`, `openvino_components_bf16`): each component (text encoder, UNet or
 transformer, VAE decoder; the whole MiniLM model) read by OpenVINO from its ONNX export and compiled for the CPU with
-the precision named (f32; bf16 where the CPU computes it natively, the precision OpenVINO picks by default there), as
-optimum-intel and sentence-transformers' `backend="openvino"` run a model (measured alike in issue 31: OpenVINO reading
+the precision named (f32; bf16 where the CPU computes it natively, the precision OpenVINO picks by default there) and
+dynamic shapes, as optimum-intel and sentence-transformers' `backend="openvino"` run a model by default
+(`openvino_components_bf16_static`: also compiled for the shape the workload calls it with, as after optimum-intel's
+`reshape`) (measured alike in issue 31: OpenVINO reading
 the ONNX export of a MiniLM layer ran as fast as the layer converted from torch). Made through aitune_hf's session with
 that one candidate chosen whenever correct (`min_speedup=0`); its bf16 output is gated like any reduced precision and
 the quality figure stands beside it.
@@ -237,13 +239,31 @@ METHODS = {
         "onnxruntime_components",
         session={"targets": "components", "backends": ["onnxruntime"], "min_speedup": 0, "progress": False},
     ),
-    # The peer a CPU user picks: OpenVINO, each component whole, f32 and (its default on a CPU with native bf16) bf16.
+    # The peer a CPU user picks: OpenVINO, each component whole, f32 and (its default on a CPU with native bf16) bf16,
+    # with dynamic shapes, as `openvino.convert_model`, sentence-transformers and optimum-intel compile it by default.
     "openvino_components": Method(
         "openvino_components",
-        session={"targets": "components", "backends": [OpenVinoBackend()], "min_speedup": 0, "progress": False},
+        session={
+            "targets": "components",
+            "backends": [OpenVinoBackend(specialize=False)],
+            "min_speedup": 0,
+            "progress": False,
+        },
     ),
     "openvino_components_bf16": Method(
         "openvino_components_bf16",
+        session={
+            "targets": "components",
+            "backends": [OpenVinoBackend(precision="bf16", specialize=False)],
+            "precision": ["bf16"],
+            "min_speedup": 0,
+            "progress": False,
+        },
+    ),
+    # The same peer where its user also fixed the shapes (optimum-intel's `pipe.reshape(...)`): each component compiled
+    # for the shape the workload calls it with (and, here, the dynamic model beside it for other shapes).
+    "openvino_components_bf16_static": Method(
+        "openvino_components_bf16_static",
         session={
             "targets": "components",
             "backends": [OpenVinoBackend(precision="bf16")],
@@ -263,6 +283,7 @@ METHODS = {
         "aitune_auto_precision", session={"targets": "auto", "precision": "auto", "progress": False}
     ),
 }
+OPENVINO_BF16 = ("openvino_components_bf16", "openvino_components_bf16_static")  # reduced precision: not fp32 peers
 SESSION_METHODS = [name for name, method in METHODS.items() if method.session is not None]
 
 
@@ -475,17 +496,21 @@ def _peer_verdicts(name: str, results: dict[str, MethodResult]) -> list[str]:
     reduced = max(
         (v for k, v in results.items() if k in REDUCED and v.speedup is not None), key=lambda r: r.speedup, default=None
     )
-    peer = results.get("openvino_components_bf16")
-    if peer is None or peer.speedup is None:
-        peer = f32  # no native bf16 here: OpenVINO's own default is f32
-    if reduced is not None and reduced.speedup and peer is not None and peer.speedup:
-        goal = PEER_GOALS["auto_pipeline" if name.split("_")[0] in ("sd", "flux") else "auto"]
-        ratio = reduced.speedup / peer.speedup
-        lines.append(
-            f"{'MET' if ratio >= goal else 'NOT MET'}: precision=auto {reduced.method} {reduced.speedup:.2f}x "
-            f"({reduced.quality}) vs "
-            f"{peer.method} {peer.speedup:.2f}x ({peer.quality}) = {ratio:.2f} (goal >= {goal})"
-        )
+    dynamic = results.get("openvino_components_bf16")
+    if dynamic is None or dynamic.speedup is None:
+        dynamic = f32  # no native bf16 here: OpenVINO's own default is f32
+    # The issue's goal is against the peer as users get it (dynamic shapes); against the peer with its shapes fixed by
+    # hand, at least level.
+    pipeline = PEER_GOALS["auto_pipeline" if name.split("_")[0] in ("sd", "flux") else "auto"]
+    static = results.get("openvino_components_bf16_static")
+    for peer, goal in [(dynamic, pipeline), (static, PEER_GOALS["auto"])]:
+        if reduced is not None and reduced.speedup and peer is not None and peer.speedup:
+            ratio = reduced.speedup / peer.speedup
+            lines.append(
+                f"{'MET' if ratio >= goal else 'NOT MET'}: precision=auto {reduced.method} {reduced.speedup:.2f}x "
+                f"({reduced.quality}) vs "
+                f"{peer.method} {peer.speedup:.2f}x ({peer.quality}) = {ratio:.2f} (goal >= {goal})"
+            )
     return lines
 
 
@@ -530,7 +555,7 @@ def _fp32_verdicts(name: str, results: dict[str, MethodResult], candidates: dict
     baselines = {  # fp32 baselines: OpenVINO bf16 is reduced precision, compared with precision="auto" instead
         k: v
         for k, v in results.items()
-        if k not in ("eager", "openvino_components_bf16") and not k.startswith("aitune") and v.speedup is not None
+        if k not in ("eager", *OPENVINO_BF16) and not k.startswith("aitune") and v.speedup is not None
     }
     if baselines:
         best_name, best = max(baselines.items(), key=lambda kv: kv[1].speedup or 0.0)

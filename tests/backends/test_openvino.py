@@ -70,6 +70,29 @@ def test_auto_offers_openvino_in_each_precision_the_cpu_computes() -> None:
     assert not any("int8" in name for name in names)  # OpenVINO computes int8 only for models quantized beforehand
 
 
+def test_the_most_common_shape_gets_a_model_of_its_own_and_every_shape_stays_within_fp32_tolerance() -> None:
+    """A family recorded mostly in one shape (a pipeline at one resolution) compiles that shape statically as well: its
+    calls run there, other shapes run the family's model; both within fp32 tolerances of eager. Varied traffic (no shape
+    in half the calls) and `specialize=False` compile the family's model only."""
+    module = BertBlock()
+    hot, other = _bert_call(2, 8), _bert_call(3, 13)
+    built = _build(OpenVinoBackend(num_threads=1), module, [hot, hot, other], dynamic=True)
+    runner = built.fn
+    assert runner.specialized is not None
+    assert {0, 1} <= built.dynamic_dims[0]  # the family's dimensions stay free: the specialization adds, never narrows
+    used: list[bool] = []
+    request = runner._request
+    runner._request = lambda static: used.append(static) or request(static)
+    for call in [hot, other, _bert_call(1, 5), hot]:
+        with torch.no_grad():
+            torch.testing.assert_close(runner(*call), module(*call), **FP32)
+    assert used == [True, False, False, True]
+    varied = _build(OpenVinoBackend(num_threads=1), module, [hot, other, _bert_call(1, 5)], dynamic=True)
+    unasked = _build(OpenVinoBackend(num_threads=1, specialize=False), module, [hot, hot], dynamic=True)
+    assert varied.fn.specialized is None and unasked.fn.specialized is None
+    assert OpenVinoBackend(specialize=False).describe() == "openvino(specialize=False)"
+
+
 def test_concurrent_callers_each_get_their_own_infer_request() -> None:
     """`CompiledModel.__call__` shares one infer request: here every thread has its own, so outputs never mix."""
     module = BertBlock()
@@ -128,8 +151,10 @@ def test_a_warm_cache_imports_the_compiled_model_in_f32(tmp_path: Path) -> None:
         assert target.calls_served["openvino"] >= 1
         assert (target.report().signatures[0].from_cache is not None) == (expected_source == "cache")
         torch.testing.assert_close(served, reference, **FP32)
+        (route,) = (route for routes in target._routes.values() for route in routes)
+        assert route.built.fn.specialized is not None  # its one recorded shape: compiled for it too, and cached
         registration.detach()
-    assert list(tmp_path.rglob("model.ov.blob"))
+    assert list(tmp_path.rglob("model.ov.blob")) and list(tmp_path.rglob("model.static.ov.blob"))
 
 
 def test_a_weight_edit_is_seen_and_the_served_output_stays_eager_s() -> None:
@@ -152,6 +177,8 @@ def test_bad_options_name_the_value_and_what_is_valid() -> None:
         OpenVinoBackend(precision="int4")
     with pytest.raises(ConfigError, match=r"num_threads=0 is not valid"):
         OpenVinoBackend(num_threads=0)
+    with pytest.raises(ConfigError, match=r"specialize='yes' is not valid; valid values: True, False"):
+        OpenVinoBackend(specialize="yes")
     assert "runs on the CPU only" in get_backend("openvino").unavailable_reason(frozenset({torch.device("meta")}))
 
 
