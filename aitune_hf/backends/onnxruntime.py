@@ -37,6 +37,7 @@ from aitune_hf.backends.base import (
     register_backend,
 )
 from aitune_hf.backends.onnx.export import (
+    EXPORT_REVISION,
     cpu_array,
     exporting,
     leaves_into,
@@ -206,7 +207,8 @@ class OnnxRuntimeBackend(Backend):
 
     @classmethod
     def versions(cls) -> dict[str, str | None]:
-        return {package: installed_version(package) for package in ("onnxruntime", "onnx", "onnxscript")}
+        found = {package: installed_version(package) for package in ("onnxruntime", "onnx", "onnxscript")}
+        return {**found, "aitune-hf onnx export": EXPORT_REVISION}
 
     def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
         for package in ("onnxruntime", "onnxscript", "onnx"):

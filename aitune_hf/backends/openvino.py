@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from aitune_hf.backends.base import Backend, BuiltBackend, Call, current_build, installed_version, register_backend
-from aitune_hf.backends.onnx.export import cpu_array, leaves_into, needs_external_data
+from aitune_hf.backends.onnx.export import EXPORT_REVISION, cpu_array, leaves_into, needs_external_data
 from aitune_hf.backends.onnx.model import CallLayout, obtain
 from aitune_hf.errors import CandidateUnavailable, ConfigError
 
@@ -26,9 +26,9 @@ INSTALL_HINT = "pip install 'aitune-hf[openvino]'"
 #: Our precision names -> OpenVINO's `INFERENCE_PRECISION_HINT`. int8 is not offered: OpenVINO's CPU plugin computes
 #: int8 only for models quantized beforehand (NNCF), which this backend does not do.
 _HINTS = {"fp32": "f32", "bf16": "bf16"}
-#: The revision of what a build makes of the export, in every cache key: a compiled model cached before a build changed
-#: what it computes or holds is not imported. 1: the masked attention's fully masked rows (`fuse_masked_attention`);
-#: 2: a specialization to the most common shape (`_specialized`).
+#: The revision of what a build makes of the export, in every cache key (beside the export's own, `EXPORT_REVISION`): a
+#: compiled model cached before a build changed what it computes or holds is not imported. 1: the masked attention's
+#: fully masked rows (now the export's); 2: a specialization to the most common shape (`_specialized`).
 _REVISION = "2"
 #: The compiled models' file names inside an artifact folder (`CompiledModel.export_model`): the shape family's, and its
 #: specialization to the most common shape where the build made one.
@@ -110,7 +110,7 @@ class OpenVinoBackend(Backend):
     @classmethod
     def versions(cls) -> dict[str, str | None]:
         found = {package: installed_version(package) for package in ("openvino", "onnx", "onnxscript")}
-        return {**found, "aitune-hf openvino build": _REVISION}
+        return {**found, "aitune-hf onnx export": EXPORT_REVISION, "aitune-hf openvino build": _REVISION}
 
     def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
         # OpenVINO itself is checked when the backend is made (`__init__`); the export it reads needs these, which the
@@ -164,7 +164,6 @@ class OpenVinoBackend(Backend):
             if obtained.worker is not None:
                 obtained.worker.remove()  # the export is read back already (`obtained.proto`)
             model = _core().read_model(io.BytesIO(obtained.model_proto.SerializeToString()))
-            fuse_masked_attention(model)
             models = [_core().compile_model(model, "CPU", config)]
             hot = _most_calls_shape(layout, samples) if dynamic and self.specialize else None
             if hot is not None and (static := _specialized(model, hot, config)) is not None:
@@ -220,76 +219,6 @@ def _specialized(model: Any, shapes: dict[str, tuple[int, ...]], config: dict[st
     except Exception:  # a graph whose shape arithmetic OpenVINO cannot fold: the family's model serves that shape too
         logger.debug("aitune_hf: OpenVINO could not specialize a model to %s", shapes, exc_info=True)
         return None
-
-
-def fuse_masked_attention(model: Any) -> int:
-    """Let OpenVINO fuse the exported attention of a boolean mask (BERT's padding, CLIP's causal mask), and zero the
-    rows of a query that sees no key as torch does; returns how many attentions were rewritten.
-
-    The ONNX exporter writes `scaled_dot_product_attention` with a boolean mask as `Softmax(QK + mask)`, then
-    `Where(IsNaN(p), 0, p)` (meant for a fully masked row, where torch gives zeros), then `@ V`. The NaN step between
-    the softmax and the second MatMul keeps OpenVINO's CPU plugin from fusing the attention into one kernel (a
-    `Subgraph` in its runtime model): the whole MiniLM ran its 6 attentions as MatMul, Softmax, MatMul with the score
-    matrix between them, 3% slower than OpenVINO converting the model from torch at 16-64 tokens.
-
-    Rewritten as `p @ V`, then zeros where the boolean mask's row has no key (`ReduceLogicalOr` over the keys): torch's
-    rule, which the export did not keep. Its additive mask is float32's lowest value, not -inf, so a fully masked row's
-    softmax is no NaN and a query that sees no key (a left-padded causal batch's pad positions) got about the mean of
-    the values where torch gives zeros (0.21 off on a tiny attention: the test). Everything else computes the same
-    values (only where activations are not finite can they differ: a NaN score gives NaN here and in torch, zeros in
-    the export). Anything but this exact pattern (the softmax of `scores + Where(mask, 0, lowest)`) is left as it is."""
-    import openvino.opset13 as ops
-
-    rewritten = 0
-    for softmax in model.get_ordered_ops():
-        if softmax.get_type_name() != "Softmax":
-            continue
-        users = [target.get_node() for target in softmax.output(0).get_target_inputs()]
-        isnan = next((n for n in users if n.get_type_name() == "IsNaN"), None)
-        select = next((n for n in users if n.get_type_name() == "Select"), None)
-        if len(users) != 2 or isnan is None or select is None:
-            continue
-        if select.input(0).get_source_output().get_node() != isnan or (
-            select.input(2).get_source_output().get_node() != softmax
-        ):
-            continue
-        select_users = list(select.output(0).get_target_inputs())
-        if len(select_users) != 1 or select_users[0].get_node().get_type_name() != "MatMul":
-            continue
-        matmul, zero = select_users[0].get_node(), select.input(1).get_source_output().get_node()
-        scores = softmax.input(0).get_source_output().get_node()
-        if select_users[0].get_index() != 0 or scores.get_type_name() != "Add" or not _is_zero(zero):
-            continue
-        sides = [scores.input(i).get_source_output().get_node() for i in range(2)]
-        masks = [side for side in sides if _is_boolean_mask(side)]
-        if len(masks) != 1:
-            continue
-        consumers = list(matmul.output(0).get_target_inputs())
-        matmul.input(0).replace_source_output(softmax.output(0))
-        sees_a_key = ops.reduce_logical_or(masks[0].input(0).get_source_output(), ops.constant([-1]), keep_dims=True)
-        # A constant of its own: OpenVINO 2026.4's snippets fail to compile one scalar shared with the mask's `Where`.
-        zeroed = ops.select(sees_a_key, matmul.output(0), ops.constant(zero.get_data()))
-        for target in consumers:
-            target.replace_source_output(zeroed.output(0))
-        rewritten += 1
-    if rewritten:
-        model.validate_nodes_and_infer_types()
-    return rewritten
-
-
-def _is_zero(node: Any) -> bool:
-    return node.get_type_name() == "Constant" and not node.get_data().any()
-
-
-def _is_boolean_mask(node: Any) -> bool:
-    """`Where(mask, 0, lowest)`: the additive mask the exporter makes of a boolean one (lowest: float32's most negative
-    finite value, or -inf)."""
-    import openvino
-
-    if node.get_type_name() != "Select" or node.input(0).get_element_type() != openvino.Type.boolean:
-        return False
-    zero, lowest = (node.input(i).get_source_output().get_node() for i in (1, 2))
-    return _is_zero(zero) and lowest.get_type_name() == "Constant" and bool((lowest.get_data() <= -3.0e38).all())
 
 
 _core_lock = threading.Lock()

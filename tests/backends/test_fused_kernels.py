@@ -46,6 +46,30 @@ class BertBlock(nn.Module):
         return self.layer(hidden, attention_mask=mask)[0]
 
 
+class BooleanMaskAttention(nn.Module):
+    """Attention with a boolean mask, as BERT's padding and CLIP's causal mask reach `scaled_dot_product_attention`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+        self.eval()
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = hidden.shape
+        q, k, v = self.qkv(hidden).view(batch, tokens, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(attended.transpose(1, 2).reshape(batch, tokens, 32))
+
+
+def _masked_call(batch: int, tokens: int, masked_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = torch.ones(batch, 1, tokens, tokens, dtype=torch.bool)
+    mask[0, ..., tokens - 2 :] = False  # the first sequence's last two tokens are padding
+    if masked_row:
+        mask[-1, :, 1, :] = False  # a query that sees no key: torch gives zeros there
+    return torch.randn(batch, tokens, 32), mask
+
+
 def _bert_call(batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     mask = torch.zeros(batch, 1, 1, length)
     mask[0, ..., length - 1 :] = torch.finfo(torch.float32).min  # the first row's last token is padding
@@ -91,6 +115,25 @@ def test_a_bert_layer_fuses_into_multi_head_attention_and_equals_eager_over_a_sh
         for batch, length in [(2, 8), (3, 12), (1, 5), (4, 16), (2, 31)]:  # shapes of the family never built for
             hidden, mask = _bert_call(batch, length)
             torch.testing.assert_close(built.fn(hidden, mask), module(hidden, mask), **FP32)
+
+
+@pytest.mark.parametrize("kernels", ["default", "fused"])
+def test_a_query_that_sees_no_key_gets_zeros_as_in_torch_and_the_attention_still_fuses(kernels: str) -> None:
+    """The exporter's boolean-mask attention adds the dtype's lowest value, not -inf, so its NaN guard never fired and
+    a query that sees no key (a left-padded causal batch's pad positions) came out as about the mean of the values
+    (0.21 off) in every runtime reading the export. The export corrects it (`zero_rows_that_see_no_key`): that row is
+    zeros before the output projection, as in torch, over a shape family; the fused build still fuses the attention."""
+    module = BooleanMaskAttention()
+    built = _build(module, [_masked_call(2, 8, False), _masked_call(3, 13, True)], dynamic=True, kernels=kernels)
+    if kernels == "fused":
+        assert built.fn.kernels["MultiHeadAttention"] == 1, built.fn.kernels
+    for batch, tokens, masked_row in [(3, 13, True), (2, 40, True), (4, 5, False)]:
+        call = _masked_call(batch, tokens, masked_row)
+        with torch.no_grad():
+            got, expected = built.fn(*call), module(*call)
+        torch.testing.assert_close(got, expected, **FP32)
+        if masked_row:  # zeros attended: the output projection's bias alone
+            torch.testing.assert_close(got[-1, 1], module.out.bias, **FP32)
 
 
 def test_the_fused_variant_reuses_the_fp32_export_of_the_same_tuning_and_leaves_it_as_it_was() -> None:

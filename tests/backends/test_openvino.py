@@ -23,7 +23,7 @@ from aitune_hf.backends.base import build_context
 from aitune_hf.core.precision import with_precisions
 from aitune_hf.errors import ConfigError
 from aitune_hf.hardware import cpu_bf16_reason
-from tests.backends.test_fused_kernels import BertBlock, _bert_call
+from tests.backends.test_fused_kernels import BertBlock, BooleanMaskAttention, _bert_call, _masked_call
 from tests.quick import QUICK
 
 FP32 = {"atol": 1e-5, "rtol": 1e-4}  # fp32: OpenVINO sums in another order than eager
@@ -260,36 +260,12 @@ def test_long_attention_runs_fused_and_never_as_a_score_matrix() -> None:
             torch.testing.assert_close(built.fn(hidden), module(hidden), **FP32)
 
 
-class BooleanMaskAttention(nn.Module):
-    """Attention with a boolean mask, as BERT's padding and CLIP's causal mask reach `scaled_dot_product_attention`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
-        self.eval()
-
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        batch, tokens, _ = hidden.shape
-        q, k, v = self.qkv(hidden).view(batch, tokens, 3, 2, 16).permute(2, 0, 3, 1, 4)
-        attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.out(attended.transpose(1, 2).reshape(batch, tokens, 32))
-
-
-def _masked_call(batch: int, tokens: int, masked_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    mask = torch.ones(batch, 1, tokens, tokens, dtype=torch.bool)
-    mask[0, ..., tokens - 2 :] = False  # the first sequence's last two tokens are padding
-    if masked_row:
-        mask[-1, :, 1, :] = False  # a query that sees no key: torch gives zeros there
-    return torch.randn(batch, tokens, 32), mask
-
-
 def test_attention_with_a_boolean_mask_runs_fused_and_zeroes_a_fully_masked_row_as_torch_does() -> None:
-    """The export writes a boolean mask's attention with a NaN step between the softmax and the second MatMul, which
-    kept OpenVINO from fusing it (`fuse_masked_attention`: the whole MiniLM ran 6 Softmax and 12 MatMul layers), and a
-    query row that sees no key came out as about the mean of the values (0.21 off). Rewritten: one fused kernel, no
-    Softmax or MatMul layer, over a shape family, within fp32 tolerances of eager, and that row is zeros before the
-    output projection, as in torch."""
+    """The exporter writes a boolean mask's attention with a NaN step between the softmax and the second MatMul, which
+    kept OpenVINO from fusing it (the whole MiniLM ran 6 Softmax and 12 MatMul layers), and a query row that sees no key
+    came out as about the mean of the values (0.21 off). The export corrected (`onnx.export.zero_rows_that_see_no_key`):
+    one fused kernel, no Softmax or MatMul layer, over a shape family, within fp32 tolerances of eager, and that row is
+    zeros before the output projection, as in torch."""
     module = BooleanMaskAttention()
     built = _build(OpenVinoBackend(num_threads=1), module, [_masked_call(2, 8, False), _masked_call(3, 13, True)],
                    dynamic=True)  # fmt: skip

@@ -136,15 +136,98 @@ def export_flat(
 
 def optimized(model: Any, input_names: list[str], output_names: list[str]) -> Any:
     """What `torch.onnx.export(optimize=True)` does to an exported ONNX IR model after tracing (`_core.export`):
-    onnxscript's optimizer (`ONNXProgram.optimize`), then the inputs and outputs named. In place; returns the model."""
+    onnxscript's optimizer (`ONNXProgram.optimize`), then the inputs and outputs named; and the correction every runtime
+    reading the export needs (`zero_rows_that_see_no_key`). In place; returns the model."""
     from torch.onnx._internal.exporter import _ir_passes, _onnx_program
 
     model = _onnx_program.onnxscript_apis.optimize(model)
+    zero_rows_that_see_no_key(model)
     if input_names:
         _ir_passes.rename_inputs(model, input_names)
     if output_names:
         _ir_passes.rename_outputs(model, output_names)
     return model
+
+
+#: The revision of what the export computes beyond the exporter (`optimized`), in the cache keys of every runtime that
+#: reads it: a model cached before a correction is not loaded. 1: `zero_rows_that_see_no_key`.
+EXPORT_REVISION = "1"
+
+
+def zero_rows_that_see_no_key(model: Any) -> int:
+    """Give a query that sees no key zeros, as torch does, in every attention with a boolean mask; returns how many
+    attentions were corrected. In place, on an onnx_ir model.
+
+    The exporter writes `scaled_dot_product_attention` with a boolean mask (onnxscript's
+    `_aten_scaled_dot_product_attention_bool_mask_onnx`) as `Softmax(QK + Where(mask, 0, lowest))`, then
+    `Where(IsNaN(p), 0, p)`, then `@ V`. Its NaN step is meant for a fully masked row, but `lowest` is the dtype's most
+    negative finite value, not -inf: such a row's softmax is uniform, never NaN, and its output is about the mean of
+    the values where torch gives zeros (0.21 off on a tiny attention; the pad positions of a left-padded causal batch).
+
+    Rewritten as `p @ V`, then zeros where the mask's row holds no True (`ReduceMax` over the keys): torch's rule. The
+    softmax now feeds its MatMul directly, which is the attention OpenVINO's CPU plugin fuses into one kernel and
+    onnxscript's ONNX Runtime fusions match (the NaN step kept OpenVINO from fusing). Only where activations are not
+    finite can the values differ from the export's: a NaN score gives NaN here and in torch, zeros in the export.
+    Anything but this exact pattern is left as it is."""
+    import onnx_ir as ir
+
+    corrected = 0
+    for softmax in [node for node in model.graph if node.op_type == "Softmax" and node.domain in ("", "ai.onnx")]:
+        probs = softmax.outputs[0]
+        users = {use.node.op_type: use for use in probs.uses()}
+        if len(probs.uses()) != 2 or set(users) != {"IsNaN", "Where"}:
+            continue
+        guard = users["Where"].node
+        if guard.inputs[0] is not users["IsNaN"].node.outputs[0] or guard.inputs[2] is not probs:
+            continue
+        if not _is_zero(guard.inputs[1]) or len(guard.outputs[0].uses()) != 1:
+            continue
+        matmul, index = next(iter(guard.outputs[0].uses()))
+        scores = softmax.inputs[0].producer()
+        if matmul.op_type != "MatMul" or index != 0 or scores is None or scores.op_type != "Add":
+            continue
+        masks = [mask for side in scores.inputs if (mask := _boolean_mask(side)) is not None]
+        if len(masks) != 1:
+            continue
+        matmul.replace_input_with(0, probs)
+        attended = matmul.outputs[0]
+        as_bytes = ir.node("Cast", [masks[0]], {"to": ir.DataType.UINT8})
+        axes = ir.node("Constant", [], {"value": ir.tensor([-1], dtype=ir.DataType.INT64)})
+        any_key = ir.node("ReduceMax", [as_bytes.outputs[0], axes.outputs[0]], {"keepdims": 1})
+        sees_a_key = ir.node("Cast", [any_key.outputs[0]], {"to": ir.DataType.BOOL})
+        zero = ir.node("Constant", [], {"value": ir.tensor(np.zeros((), dtype=attended.dtype.numpy()))})
+        zeroed = ir.node("Where", [sees_a_key.outputs[0], attended, zero.outputs[0]])
+        attended.replace_all_uses_with(zeroed.outputs[0])
+        zeroed.replace_input_with(1, attended)  # the line above moved this use too
+        model.graph.insert_after(matmul, [as_bytes, axes, any_key, sees_a_key, zero, zeroed])
+        corrected += 1
+    return corrected
+
+
+def _is_zero(value: Any) -> bool:
+    tensor = _constant(value)
+    return tensor is not None and not tensor.any()
+
+
+def _constant(value: Any) -> np.ndarray | None:
+    import onnx_ir as ir
+
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    return tensor.numpy() if tensor is not None else None
+
+
+def _boolean_mask(value: Any) -> Any:
+    """The boolean mask of `Where(mask, 0, lowest)`, the additive mask the exporter makes of a boolean one (lowest:
+    the dtype's most negative finite value, or -inf), or None when `value` is anything else."""
+    import onnx_ir as ir
+
+    node = value.producer()
+    if node is None or node.op_type != "Where" or node.inputs[0].dtype != ir.DataType.BOOL:
+        return None
+    lowest = _constant(node.inputs[2])
+    if not _is_zero(node.inputs[1]) or lowest is None or not np.issubdtype(lowest.dtype, np.floating):
+        return None
+    return node.inputs[0] if bool((lowest <= np.finfo(lowest.dtype).min).all()) else None
 
 
 _registries: dict[int, Any] = {}
