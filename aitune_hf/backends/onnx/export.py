@@ -96,7 +96,7 @@ def export_flat(
         dynamic_shapes = (tuple(None for _ in weights) + tuple({d: auto for d in f} or None for f in dims),)
     registry = torchlib_registry(opset_version)
     if registry is None:  # a torch whose exporter moved: its public call, which builds the table every time
-        return torch.onnx.export(
+        program = torch.onnx.export(
             flat,
             example,
             dynamic_shapes=dynamic_shapes,
@@ -109,6 +109,8 @@ def export_flat(
             report=False,
             dump_exported_program=False,
         )
+        zero_rows_that_see_no_key(program.model)  # what `optimized` adds to the exporter's optimizing
+        return program
     from torch.onnx._internal.exporter import _core
 
     # What `torch.onnx.export(..., dynamo=True)` does for these arguments (`_compat.export_compat`: tensor-only
