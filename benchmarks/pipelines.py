@@ -231,6 +231,17 @@ def _session_note(session: SessionResult) -> str:
     return note if session.passed else f"{note}; CHECK FAILED (max diff {session.max_abs_diff:.1e})"
 
 
+def _openvino_whole(name: str, precision: str, specialize: bool) -> Method:
+    """OpenVINO compiling each component whole in `precision`, chosen whenever correct (`min_speedup=0`)."""
+    session = {
+        "targets": "components",
+        "backends": [OpenVinoBackend(precision=precision, specialize=specialize)],
+        "min_speedup": 0,
+        "progress": False,
+    }
+    return Method(name, session=session if precision == "fp32" else {**session, "precision": [precision]})
+
+
 METHODS = {
     "eager": Method("eager", lambda obj, workload: "", calls_in_prepare=0),
     "compile_full": Method("compile_full", _first_call(_compile_components)),
@@ -241,37 +252,11 @@ METHODS = {
     ),
     # The peer a CPU user picks: OpenVINO, each component whole, f32 and (its default on a CPU with native bf16) bf16,
     # with dynamic shapes, as `openvino.convert_model`, sentence-transformers and optimum-intel compile it by default.
-    "openvino_components": Method(
-        "openvino_components",
-        session={
-            "targets": "components",
-            "backends": [OpenVinoBackend(specialize=False)],
-            "min_speedup": 0,
-            "progress": False,
-        },
-    ),
-    "openvino_components_bf16": Method(
-        "openvino_components_bf16",
-        session={
-            "targets": "components",
-            "backends": [OpenVinoBackend(precision="bf16", specialize=False)],
-            "precision": ["bf16"],
-            "min_speedup": 0,
-            "progress": False,
-        },
-    ),
+    "openvino_components": _openvino_whole("openvino_components", "fp32", specialize=False),
+    "openvino_components_bf16": _openvino_whole("openvino_components_bf16", "bf16", specialize=False),
     # The same peer where its user also fixed the shapes (optimum-intel's `pipe.reshape(...)`): each component compiled
     # for the shape the workload calls it with (and, here, the dynamic model beside it for other shapes).
-    "openvino_components_bf16_static": Method(
-        "openvino_components_bf16_static",
-        session={
-            "targets": "components",
-            "backends": [OpenVinoBackend(precision="bf16")],
-            "precision": ["bf16"],
-            "min_speedup": 0,
-            "progress": False,
-        },
-    ),
+    "openvino_components_bf16_static": _openvino_whole("openvino_components_bf16_static", "bf16", specialize=True),
     "aitune_blocks": Method("aitune_blocks", session={"targets": "blocks", "progress": False}),
     "aitune_auto": Method("aitune_auto", session={"targets": "auto", "progress": False}),
     # Reduced precision (opt-in): every precision this CPU computes natively, gated end to end (docs/precision.md).
