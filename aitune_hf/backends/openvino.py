@@ -226,12 +226,20 @@ _ov_core: Any = None
 
 
 def _core() -> Any:
-    """The process's one `openvino.Core` (made on first use; it reads the plugins once)."""
+    """The process's one `openvino.Core` (made on first use; it reads the plugins once).
+
+    Making it also makes OpenVINO's bindings look up numpy's C API, on this one thread, before any runner exists. Left
+    to the first call that hands them an array, threads serving their first calls at once can deadlock: the bindings
+    look it up inside a function-local static's initializer, and that look-up lets go of the GIL, so one thread waits
+    for the GIL inside the initializer while another holds the GIL and waits for the initializer (pybind11's
+    `gil_safe_call_once_and_store`; seen as 1 in 8 runs of six threads' first calls)."""
     global _ov_core
     with _core_lock:
         if _ov_core is None:
+            import numpy
             import openvino
 
+            openvino.Tensor(numpy.zeros(1, dtype=numpy.float32), shared_memory=False).data  # noqa: B018
             _ov_core = openvino.Core()
         return _ov_core
 
