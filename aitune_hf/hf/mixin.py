@@ -437,6 +437,11 @@ def _call_key(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str
     return hashlib.sha1(repr((method, str(spec), parts)).encode()).hexdigest()[:16]
 
 
+#: The latest seconds kept per inputs and side for the end-to-end line (a service repeating one input for days keeps
+#: these, not every call's).
+_TIMES_KEPT = 64
+
+
 def _time_whole_call(
     state: _AITuneState, key: Callable[[], str], seconds: float, *, untouched: bool, tuned_before: bool
 ) -> None:
@@ -452,26 +457,32 @@ def _time_whole_call(
         if inputs not in state.first_seen:
             state.first_seen.add(inputs)
             return
-        state.eager_seconds.setdefault(inputs, []).append(seconds)
-    elif tuned_before and state.registration.all_tuned:
-        state.tuned_seconds.setdefault(key(), []).append(seconds)
-    else:
+        times = state.eager_seconds.setdefault(inputs, [])
+    elif tuned_before and state.registration.all_tuned and state.eager_seconds:
+        inputs = key()
+        if inputs not in state.eager_seconds:  # never compared, so never kept: a service's every new sentence would be
+            if not state.tuned_seconds:
+                state.registration.end_to_end = {
+                    "method": "no tuned whole call had the inputs of a warm eager one (calls of different inputs are "
+                    "not compared); measure_aitune() times one"
+                }
+            return
+        times = state.tuned_seconds.setdefault(inputs, [])
+    else:  # a tuned call with no warm eager one to compare with needs no key (hashing the inputs costs a call 0.1 ms)
         return
-    if not state.eager_seconds or not state.tuned_seconds:
+    times.append(seconds)
+    del times[:-_TIMES_KEPT]
+    if not state.tuned_seconds:
         return
-    both = [k for k in state.eager_seconds if k in state.tuned_seconds]
-    if not both:
-        state.registration.end_to_end = {
-            "method": "no tuned whole call had the inputs of a warm eager one (calls of different inputs are not "
-            "compared); measure_aitune() times one"
-        }
-        return
+    both = list(state.tuned_seconds)  # each has eager seconds
     best = max(both, key=lambda k: min(len(state.eager_seconds[k]), len(state.tuned_seconds[k])))
     eager, tuned = state.eager_seconds[best], state.tuned_seconds[best]
-    distinct = len(state.eager_seconds.keys() | state.tuned_seconds.keys())
     method = f"whole calls of the same inputs: {len(eager)} warm before tuning (recording), {len(tuned)} after; medians"
-    if distinct > 1:
-        method += f" (of {distinct} distinct inputs seen, {len(both)} on both sides; the most timed one shown)"
+    if len(state.eager_seconds) > 1:
+        method += (
+            f" (of {len(state.eager_seconds)} distinct inputs timed warm before tuning, {len(both)} timed after; the "
+            "most timed one shown)"
+        )
     _record_end_to_end(state, eager, tuned, method)
 
 

@@ -318,6 +318,9 @@ def test_the_end_to_end_line_compares_whole_calls_of_the_same_inputs_only(st_pat
     for _ in range(5):  # records and tunes the queries' shapes, then tuned queries
         model.encode(query)
     assert registration.all_tuned, registration.report()
+    for _ in range(70):  # a service repeating one input keeps its latest seconds, not every call's
+        model.encode(query)
+    assert [len(times) for times in model.__dict__["_aitune_state"].tuned_seconds.values()] == [64]
     e2e = dict(registration.end_to_end)
     assert "whole calls of the same inputs" in e2e["method"], e2e
     assert str(registration.report()).startswith("end to end: eager ")
@@ -347,6 +350,9 @@ def test_without_a_tuned_call_of_the_inputs_of_a_warm_eager_one_the_line_claims_
     assert report.end_to_end is not None and "speedup" not in report.end_to_end
     assert str(report).startswith("end to end: not measured (no tuned whole call had the inputs of a warm eager one")
     assert report.payback() is None
+    for seed in range(4, 12):  # a service's new sentences: none is ever compared, so none is kept
+        model.encode(corpus(2, seed=seed))
+    assert not model.__dict__["_aitune_state"].tuned_seconds
     model.disable_aitune()
 
 
