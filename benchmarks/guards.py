@@ -15,8 +15,11 @@ so that every correct ONNX Runtime build serves; called until every target decid
    guards' cost as the whole call sees it, cold caches included, but within the noise of the machine);
 2. target calls per whole call (`calls_served` deltas) and guard checks per whole call (counted);
 3. per guard, the median cost of `check()`, of the weight part (`_weights.holds()`) and of the state part
-   (`_frozen == _live`), each timed in a warm loop with the project's timer (`time_interleaved`);
-4. guard cost per whole call = sum over the checks of one call of that guard's cost; as % of tuned e2e.
+   (`_frozen == _live`), each timed in a warm loop with the project's timer (`time_interleaved`), and with the
+   caches evicted before each check (`_time_guard_cold`: what a check pays after an engine call that left none of
+   it cached);
+4. guard cost per whole call = sum over the checks of one call of that guard's cost; as % of tuned e2e, warm and
+   evicted. The goal is judged on the evicted figure.
 
 Results: benchmarks/results/guards.json and guards.md.
 """
@@ -27,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,7 +46,7 @@ import pipelines  # noqa: I001  (first: sets TORCHINDUCTOR_CACHE_DIR before torc
 import onnxruntime
 import torch
 
-from aitune_hf import time_interleaved
+from aitune_hf import Stopwatch, time_interleaved
 from aitune_hf.core.guards import ModuleGuard  # internal on purpose: this benchmark times the guards themselves
 from machine import cpu_model
 
@@ -134,6 +138,34 @@ def _time_guard(guard: ModuleGuard, repeats: int) -> dict[str, float]:
     return latencies
 
 
+#: Bytes read between two cold checks: more than any of these CPUs' last-level cache (32 MB an AMD EPYC CCD, up to
+#: about 112 MB a Sapphire Rapids socket), so that a check finds none of what it reads cached.
+_EVICT_BYTES = 256 * 2**20
+
+
+def _time_guard_cold(guard: ModuleGuard, repeats: int) -> dict[str, float]:
+    """Median seconds of check(), of its state part and of its weight part with the caches evicted before each (a pass
+    over `_EVICT_BYTES`): what a check pays when the call before it (a block's engine, hundreds of MB of weights and
+    activations) left nothing of the guard cached. The warm loop (`_time_guard`) is the other bound."""
+    import numpy as np
+
+    evict = np.ones(_EVICT_BYTES // 8)
+    parts: dict[str, Callable[[], Any]] = {"check": guard.check, "state": guard.state_holds}
+    if guard.weights is not None:
+        parts["weights"] = guard.weights.holds
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for name, part in parts.items():
+                evict += 1.0  # reads and writes every line of the buffer
+                with Stopwatch() as watch:
+                    part()
+                times[name].append(watch.seconds)
+    cold = {name: statistics.median(values) for name, values in times.items()}
+    cold.setdefault("weights", 0.0)
+    return cold
+
+
 #: mode -> (targets, extra enable_aitune options). "blocks-forced": every correct ONNX Runtime build serves
 #: (min_speedup 0), so the guards of served blocks are measured even where the tuner keeps eager.
 MODES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -189,11 +221,14 @@ def run(workload: pipelines.Workload, mode: str, rounds: int, log: Callable[[str
         log(f"  GUARD FAILURES while measuring (each runs eager and re-arms tuning): {changes[:3]}")
     rows = []
     total = {"check": 0.0, "state": 0.0, "weights": 0.0}
+    total_cold = 0.0
     for name, route in _routes(obj):
         guard = route.guard
         n = checks.get(id(guard), 0)
         holds = guard.check()
         cost = _time_guard(guard, repeats=31)
+        cold = _time_guard_cold(guard, repeats=31)
+        total_cold += n * cold["check"]
         rows.append(
             {
                 "target": name,
@@ -209,6 +244,9 @@ def run(workload: pipelines.Workload, mode: str, rounds: int, log: Callable[[str
                 "check_us": cost["check"] * 1e6,
                 "state_us": cost["state"] * 1e6,
                 "weights_us": cost["weights"] * 1e6,
+                "check_cold_us": cold["check"] * 1e6,
+                "state_cold_us": cold["state"] * 1e6,
+                "weights_cold_us": cold["weights"] * 1e6,
             }
         )  # fmt: skip
         # Split of what the check costs per call: its weight part only runs when the state part holds.
@@ -246,6 +284,7 @@ def run(workload: pipelines.Workload, mode: str, rounds: int, log: Callable[[str
             "state": 100 * total["state"] / tuned,
             "weights": 100 * total["weights"] / tuned,
         },
+        "guard_pct_of_e2e_cold": 100 * total_cold / tuned,
         "e2e_pct_tuned_vs_no_guards": 100 * (tuned - e2e["tuned_no_guards"]) / tuned,
         "goal_pct": GOALS.get(workload.name),
         "per_route": rows,
@@ -254,7 +293,8 @@ def run(workload: pipelines.Workload, mode: str, rounds: int, log: Callable[[str
     delta = result["e2e_pct_tuned_vs_no_guards"]
     log(f"  [{mode}] {result['target_calls_per_call']} target calls, {n_checks} guard checks per call; guards "
         f"{total['check'] * 1e3:.3f} ms = {pct['total']:.2f}% of e2e (state {pct['state']:.2f}%, "
-        f"weights {pct['weights']:.2f}%); e2e tuned vs no guards {delta:+.2f}%")  # fmt: skip
+        f"weights {pct['weights']:.2f}%), {result['guard_pct_of_e2e_cold']:.2f}% with the caches evicted; e2e tuned "
+        f"vs no guards {delta:+.2f}%")  # fmt: skip
     obj.disable_aitune()
     return result
 
@@ -270,24 +310,30 @@ def markdown(results: list[dict[str, Any]], setting: dict[str, Any], command: st
         'ONNX Runtime only; mode: `enable_aitune("blocks")`, `"auto"`, or blocks-forced (blocks, min_speedup 0: every',
         "correct ONNX Runtime build serves). E2E: medians of interleaved whole calls. Guard cost: for",
         "each guard, the median of `check()` (state part: `_frozen == _live`; weight part: `_weights.holds()`)",
-        "in a warm loop, times how often one whole call checks it. *No-guard delta*: tuned e2e vs tuned with",
-        "every check short-circuited, same rounds (noisy cross-check; includes cold-cache effects).",
+        "in a warm loop, and with the caches evicted before each check (a pass over 256 MB: what a check pays when",
+        "the engine call before it left nothing of it cached), times how often one whole call checks it. The two",
+        "bound what a served call pays: warm below, evicted above (small blocks called back to back keep part of",
+        "what their guards read cached). The goal is MET when the evicted figure meets it, MET warm only when only",
+        "the warm one does. *No-guard delta*: tuned e2e vs tuned with every check short-circuited, same rounds",
+        "(noisy cross-check; includes cold-cache effects).",
         "",
         "| workload | mode | target calls served by (one call) | eager ms | tuned ms | speed-up | target calls / call "
-        "| guard µs / target call (state / weights) | guard % of e2e: total (state / weights) | goal "
-        "| no-guard delta |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| guard µs / target call, warm (state / weights) | guard % of e2e, warm (state / weights) "
+        "| guard % of e2e, caches evicted | goal | no-guard delta |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         us, pct = r["guard_us_per_target_call"], r["guard_pct_of_e2e"]
         goal = r["goal_pct"]
-        verdict = "-" if goal is None else f"≤ {goal:g}%: {'MET' if pct['total'] <= goal else 'NOT MET'}"
+        cold = r["guard_pct_of_e2e_cold"]
+        met = "MET" if cold <= goal else "MET warm only" if pct["total"] <= goal else "NOT MET"
+        verdict = "-" if goal is None else f"≤ {goal:g}%: {met}"
         served = ", ".join(f"{k} x{v}" for k, v in r["target_calls_served_by"].items())
         lines.append(
             f"| {r['workload']} | {r['mode']} | {served} "
             f"| {r['eager_ms']:.2f} | {r['tuned_ms']:.2f} | {r['speedup']:.3f}x "
             f"| {r['target_calls_per_call']} | {us['total']:.1f} ({us['state']:.1f} / {us['weights']:.1f}) "
-            f"| {pct['total']:.2f}% ({pct['state']:.2f}% / {pct['weights']:.2f}%) | {verdict} "
+            f"| {pct['total']:.2f}% ({pct['state']:.2f}% / {pct['weights']:.2f}%) | {cold:.2f}% | {verdict} "
             f"| {r['e2e_pct_tuned_vs_no_guards']:+.2f}% |"
         )
     lines.append("")
@@ -300,13 +346,17 @@ def markdown(results: list[dict[str, Any]], setting: dict[str, Any], command: st
     lines.append("")
     for r in results:
         lines += [f"## {r['workload']} ({r['mode']}): {r['describe']}", ""]
-        lines += ["| target | module | route | holds | weights MB | checks / call | check µs | state µs | weights µs |"]
+        lines += [
+            "| target | module | route | holds | weights MB | checks / call | check µs: warm / evicted "
+            "| state µs: warm / evicted | weights µs: warm / evicted |"
+        ]
         lines += ["|---|---|---|---|---|---|---|---|---|"]
         for row in r["per_route"]:
             lines.append(
                 f"| {row['target']} | {row['module']} | {row['backend']} | {'yes' if row['holds'] else 'NO'} "
                 f"| {row['weight_mb']:.2f} | {row['checks_per_call']} "
-                f"| {row['check_us']:.1f} | {row['state_us']:.1f} | {row['weights_us']:.1f} |"
+                f"| {row['check_us']:.1f} / {row['check_cold_us']:.1f} | {row['state_us']:.1f} / "
+                f"{row['state_cold_us']:.1f} | {row['weights_us']:.1f} / {row['weights_cold_us']:.1f} |"
             )
         lines.append("")
     return "\n".join(lines)
