@@ -21,8 +21,8 @@ from aitune_hf import TuningConfig, register
 from aitune_hf.backends import OnnxRuntimeBackend, OpenVinoBackend, get_backend
 from aitune_hf.backends.base import build_context
 from aitune_hf.core.precision import with_precisions
-from aitune_hf.errors import ConfigError
-from aitune_hf.hardware import cpu_bf16_reason
+from aitune_hf.errors import CandidateUnavailable, ConfigError
+from aitune_hf.hardware import cpu_bf16_reason, cpu_int8_reason
 from tests.backends.test_fused_kernels import BertBlock, BooleanMaskAttention, _bert_call, _masked_call
 from tests.quick import QUICK
 
@@ -67,7 +67,34 @@ def test_auto_offers_openvino_in_each_precision_the_cpu_computes() -> None:
     names = [backend.describe() for backend in offered]
     assert names[0] == "openvino"
     assert ("openvino(precision=bf16)" in names) == (cpu_bf16_reason() is None), (names, skipped)
-    assert not any("int8" in name for name in names)  # OpenVINO computes int8 only for models quantized beforehand
+    assert ("openvino(precision=int8)" in names) == (cpu_int8_reason() is None), (names, skipped)
+
+
+def test_int8_stores_the_linear_weights_as_int8_and_computes_the_rest_in_f32_within_the_block_budget() -> None:
+    """The int8 variant compresses every linear layer's weights (per output channel) and keeps the hint f32: OpenVINO
+    runs each linear layer in int8 (its activations quantized at run time), and the outputs differ from eager (really
+    reduced) within int8's per-block budget over a shape family. A block with no linear layer has nothing to compute in
+    int8: the candidate is unavailable, with the reason."""
+    from aitune_hf.core.precision import block_budget
+
+    module = BertBlock()
+    variant = OpenVinoBackend(num_threads=1).with_precision("int8")
+    assert variant is not None and variant.describe() == "openvino(precision=int8)"
+    assert variant.config()["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == 32
+    built = _build(variant, module, [_bert_call(2, 8), _bert_call(3, 13)], dynamic=True)
+    assert "float32" in built.fn.precision()
+    linear = [info["runtimePrecision"].astype(str) for info in _runtime_info(built)
+              if info["layerType"].astype(str) == "FullyConnected"]  # fmt: skip
+    assert len(linear) == 6 and set(linear) == {"i8"}, linear  # q, k, v, attention output, intermediate, output
+    for batch, length in [(2, 8), (1, 21)]:
+        call = _bert_call(batch, length)
+        with torch.no_grad():
+            got, expected = built.fn(*call), module(*call)
+        assert not torch.equal(got, expected)
+        assert ((got - expected).norm() / expected.norm()).item() < block_budget("int8")
+    convolution = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    with pytest.raises(CandidateUnavailable, match="no linear layer with constant weights"):
+        _build(variant, convolution, [(torch.randn(1, 3, 8, 8),)])
 
 
 def test_the_most_common_shape_gets_a_model_of_its_own_and_every_shape_stays_within_fp32_tolerance() -> None:
@@ -176,7 +203,7 @@ def test_a_weight_edit_is_seen_and_the_served_output_stays_eager_s() -> None:
 
 
 def test_bad_options_name_the_value_and_what_is_valid() -> None:
-    with pytest.raises(ConfigError, match=r"precision='int4' is not valid; valid values: 'fp32', 'bf16'"):
+    with pytest.raises(ConfigError, match=r"precision='int4' is not valid; valid values: 'fp32', 'bf16', 'int8'"):
         OpenVinoBackend(precision="int4")
     with pytest.raises(ConfigError, match=r"num_threads=0 is not valid"):
         OpenVinoBackend(num_threads=0)
@@ -238,9 +265,15 @@ def test_a_bf16_build_that_disagrees_never_serves_and_fp32_does() -> None:
         assert ((served - expected).norm() / expected.norm()).item() < 0.05
 
 
+def _runtime_info(built) -> list:
+    """The runtime information of each layer OpenVINO's CPU plugin runs for a build (its runtime model, after its own
+    fusions): `layerType`, `runtimePrecision`, ..."""
+    return [op.get_rt_info() for op in built.fn.compiled.get_runtime_model().get_ops()]
+
+
 def _runtime_layers(built) -> set[str]:
-    """The kinds of layer OpenVINO's CPU plugin runs for a build (its runtime model, after its own fusions)."""
-    return {op.get_rt_info()["layerType"].astype(str) for op in built.fn.compiled.get_runtime_model().get_ops()}
+    """The kinds of layer OpenVINO's CPU plugin runs for a build."""
+    return {info["layerType"].astype(str) for info in _runtime_info(built)}
 
 
 def test_long_attention_runs_fused_and_never_as_a_score_matrix() -> None:
