@@ -75,6 +75,16 @@ def with_precisions(
     return list(candidates.values()), skipped
 
 
+#: How reduced each precision is (fewer bits kept: more reduced), for the gate's steps down (`less_reduced`).
+_REDUCTION = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3}
+
+
+def less_reduced(precision: str, than: str) -> bool:
+    """True when `precision` keeps more than `than` (fp32 > fp16 > bf16 > int8): where the end-to-end gate fails
+    `than`, a block may still pass in `precision`."""
+    return _REDUCTION[precision] < _REDUCTION[than]
+
+
 def block_budget(precision: str) -> float | None:
     """The per-block relative error a candidate of `precision` may have; None for fp32 (checked by tolerances)."""
     return BLOCK_BUDGET.get(precision)

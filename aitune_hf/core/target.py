@@ -39,7 +39,7 @@ from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.decisions import Decision
 from aitune_hf.core.guards import ModuleGuard
-from aitune_hf.core.precision import block_budget
+from aitune_hf.core.precision import block_budget, less_reduced
 from aitune_hf.core.reasons import details, summarize
 from aitune_hf.core.report import ModuleReport, SignatureReport
 from aitune_hf.core.rng import DrawsRandomNumbers
@@ -602,7 +602,13 @@ class Target:
         """The gate failed with this route among the worst: its fp32 fallback serves it from now on. Where fp32 was
         tried and lost to eager (`Route.fp32_lost`), eager serves it (for its whole shape family), with no tuning
         again. Where fp32 was not tried (the reduced precision won clearly), the route is dropped and the target tunes
-        again, in fp32 only: the next call of the signature runs eager and is recorded, the one after tunes."""
+        again, in fp32 only: the next call of the signature runs eager and is recorded, the one after tunes.
+
+        Where the tuning also passed a candidate of a less reduced precision that beat the fp32 fallback (int8 won,
+        bf16 was next), the route is dropped and the target tunes again without the precision that failed and any
+        more reduced one: the less reduced winner then waits for the gate in its turn, with its own fp32 fallback.
+        Measured on real MiniLM at 8 x 128 random tokens (AMD EPYC, AVX512-BF16): OpenVINO int8 won and failed the
+        gate, and its fp32 fallback served at 1.17x of eager where bf16 passes at 2.2x."""
         with self._lock:
             reduced = route.report.chosen
             note = f"{reduced}: {why}"
@@ -611,6 +617,14 @@ class Target:
                 # recorded to tune again (a tuning would offer the same reduced builds, which the gate just failed).
                 route.backend, route.built, route.provisional = None, None, False
                 route.report.shapes_rejected.append(f"{route.reference.short()}: the end-to-end quality gate: {why}")
+                return
+            failed = route.backend.precision if route.backend is not None else "fp32"
+            if self._less_reduced_won(route, failed):
+                self._tune_again_without(
+                    route, note, lambda backend: less_reduced(backend.precision, than=failed),
+                    f"{failed} failed the end-to-end quality gate here: this block tunes in less reduced precisions",
+                    f"the end-to-end quality gate sent it back from {failed} ({note})",
+                )  # fmt: skip
                 return
             if route.fallback is not None:
                 route.backend, route.built, route.guard = route.fallback
@@ -633,18 +647,42 @@ class Target:
                 if self._state is not TargetState.ARMED:
                     self._settle()
                 return
-            route.provisional = False
-            self._routes = {
-                sig: kept for sig, rs in self._routes.items() if (kept := [r for r in rs if r is not route])
-            }
-            self._families = {
-                family: kept for family, rs in self._families.items() if (kept := [r for r in rs if r is not route])
-            }
-            self._demoted = note
-            if not any(reason == _DEMOTED for _, reason in self._restrictions):
-                self.restrict(lambda backend: backend.precision == "fp32", _DEMOTED)
-            self._why = f"the end-to-end quality gate sent it back to fp32 ({note})"
-            self._move(TargetState.ARMED, self._reason)
+            self._tune_again_without(
+                route, note, lambda backend: backend.precision == "fp32", _DEMOTED,
+                f"the end-to-end quality gate sent it back to fp32 ({note})",
+            )  # fmt: skip
+
+    def _tune_again_without(
+        self, route: Route, note: str, allow: Callable[[Backend], bool], reason: str, why: str
+    ) -> None:
+        """Drop `route` and arm the target to tune again with only the backends `allow` keeps (the others unavailable
+        with `reason`, once). Called under the lock."""
+        route.provisional = False
+        self._routes = {sig: kept for sig, rs in self._routes.items() if (kept := [r for r in rs if r is not route])}
+        self._families = {
+            family: kept for family, rs in self._families.items() if (kept := [r for r in rs if r is not route])
+        }
+        self._demoted = note
+        if not any(known == reason for _, known in self._restrictions):
+            self.restrict(allow, reason)
+        self._why = why
+        self._move(TargetState.ARMED, self._reason)
+
+    def _less_reduced_won(self, route: Route, failed: str) -> bool:
+        """True when the tuning of `route` passed a candidate of a precision less reduced than `failed`, but reduced,
+        that beat `min_speedup` and the fp32 fallback (what tuning again without `failed` would choose)."""
+        if failed == "fp32":
+            return False
+        fallback = route.fallback[0].describe() if route.fallback is not None else None
+        floor = max(
+            [self._context.config.min_speedup]
+            + [c.speedup or 0.0 for c in route.report.candidates if c.backend == fallback]
+        )  # fmt: skip
+        return any(
+            c.error is None and c.precision != "fp32" and less_reduced(c.precision, than=failed)
+            and (c.speedup or 0.0) > floor
+            for c in route.report.candidates
+        )  # fmt: skip
 
     def _count(self, backend: str) -> None:
         with self._lock:

@@ -187,6 +187,32 @@ def test_a_warm_cache_imports_the_compiled_model_in_f32(tmp_path: Path) -> None:
     assert list(tmp_path.rglob("model.ov.blob")) and list(tmp_path.rglob("model.static.ov.blob"))
 
 
+def test_a_warm_cache_imports_the_int8_model_as_compiled(tmp_path: Path) -> None:
+    """The int8 build's compressed weights live in its compiled model: a warm start imports it (no export, no
+    compression) with the same properties, its linear layers still run in int8, and it serves what the cold build
+    served."""
+    call = _bert_call(2, 8)
+    config = {**QUICK, "backends": [OpenVinoBackend(precision="int8")], "min_speedup": 0, "cache_dir": str(tmp_path)}
+    served = []
+    for expected_source in ("export", "cache"):
+        module = BertBlock()
+        registration = register({"block": module}, config)
+        with torch.no_grad():
+            module(*call)
+            registration.tune()
+            module(*call)
+            served.append(module(*call))
+        target = registration.targets["block"]
+        assert target.report().backend == "openvino(precision=int8)", registration.report()
+        assert (target.report().signatures[0].from_cache is not None) == (expected_source == "cache")
+        (route,) = (route for routes in target._routes.values() for route in routes)
+        linear = {info["runtimePrecision"].astype(str) for info in _runtime_info(route.built)
+                  if info["layerType"].astype(str) == "FullyConnected"}  # fmt: skip
+        assert linear == {"i8"}, linear
+        registration.detach()
+    torch.testing.assert_close(served[1], served[0], atol=1e-6, rtol=1e-6)
+
+
 def test_a_weight_edit_is_seen_and_the_served_output_stays_eager_s() -> None:
     """The weights are baked into the compiled model: an in-place edit (no version bump) is caught by the core's weight
     check, and the call returns what eager returns now."""

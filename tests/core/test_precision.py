@@ -325,3 +325,63 @@ def test_with_the_gate_required_a_new_shape_waits_for_the_gate_of_its_call() -> 
     assert registration.targets["0"].calls_served["reduced_stand_in"] == calls + 1
     assert "worst of 3 calls gated" in str(registration.report())
     registration.detach()
+
+
+class _LessReducedStandIn(ReducedPrecisionStandIn):
+    """A bf16 stand-in that does a `_Twice` block's whole work (about eager's speed) with an error of
+    `module.bf16_error`: slower than int8's half work, faster than fp32's double work."""
+
+    name = "bf16_stand_in"
+    precision = "bf16"
+
+    def build(self, module: nn.Module, forward, samples, dynamic: bool = False):  # type: ignore[no-untyped-def]
+        def fn(*args, **kwargs):  # type: ignore[no-untyped-def]
+            out = forward(*args, **kwargs)
+            direction = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+            return out + module.bf16_error * out.norm() * direction / direction.norm()
+
+        return BuiltBackend(fn=fn)
+
+
+def test_where_int8_fails_the_gate_a_less_reduced_winner_is_tuned_and_gated_before_fp32() -> None:
+    """Issue 31: OpenVINO int8 won a MiniLM at 8 x 128 and failed the gate; its fp32 fallback served at 1.17x where bf16
+    passes at 2.2x. Where the tuning passed a less reduced candidate that beat the fp32 fallback, the gate's failure
+    tunes the block again without int8: bf16 wins, waits for the gate in its turn (its fp32 fallback serves), passes,
+    and serves; the served output is within the budget of eager's."""
+    torch.manual_seed(0)
+    module = _Twice().eval()
+    module.reduced_error, module.bf16_error = 0.08, 0.001  # int8 fails a 0.999 cosine budget, bf16 passes
+    x = torch.randn(64, 256)
+    double = _DoubleWork()
+    config = {**QUICK, "backends": [_HalfWork(), _LessReducedStandIn(), double], "min_speedup": 0, "repeats": 9}
+    registration = register({"block": module}, config)
+    registration.gate_required = True
+    registration.config.quality = {"cosine": 0.999}
+    target = registration.targets["block"]
+    with torch.no_grad():
+        module(x)
+        registration.tune()
+        module(x)
+        with registration.bypass():
+            reference = module(x)
+
+    def replay() -> torch.Tensor:
+        with torch.no_grad():
+            return module(x)
+
+    assert target.report().signatures[0].chosen == "half_work"
+    assert registration.gate(reference, replay) is not None  # int8 fails; the gate's last replay tunes again
+    signature = target.report().signatures[-1]
+    assert signature.chosen == "bf16_stand_in", target.report()
+    assert "half_work" not in {c.backend for c in signature.candidates if c.error is None}
+    assert "int8 failed the end-to-end quality gate" in next(c.error for c in signature.candidates
+                                                             if c.backend == "half_work")  # fmt: skip
+    assert registration.waiting_for_gate  # bf16 waits for a gate of its own
+    figure = registration.gate(reference, replay)
+    assert figure is not None and figure.passed and not registration.waiting_for_gate
+    with torch.no_grad():
+        served = module(x)
+    assert target.calls_served.get("bf16_stand_in", 0) >= 1
+    assert measure(reference, served, {"cosine": 0.999}, gate=True).passed
+    assert not torch.equal(served, reference)  # bf16 serves, not eager
+    registration.detach()
