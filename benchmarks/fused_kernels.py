@@ -32,10 +32,10 @@ the call takes (batch x heads x tokens x tokens, fp32): what an attention that i
 give OpenVINO an int8 candidate: ONNX Runtime's static quantization to QDQ (int8 weights per channel, uint8
 activations, calibrated on 8 other calls), which OpenVINO reads and runs in int8. It was 29% off on a real MiniLM
 layer, and is not what the backend does: `openvino(precision=int8)` stores the linear layers' weights as int8 and lets
-OpenVINO quantize their activations at run time (docs/precision.md). Timed beside eager, ONNX Runtime's own int8 candidate
-(`OnnxRuntimeBackend(precision="int8")`: dynamic quantization) and OpenVINO f32, on real MiniLM embeddings of varied
-sentences (not random hidden states: int8's error depends on the activations' outliers); error as the cosine of the
-flattened output with eager's and the relative L2 error (the per-block budget of int8 is 10%: docs/precision.md).
+OpenVINO quantize their activations at run time (docs/precision.md). Timed beside eager, ONNX Runtime's own int8
+candidate (`OnnxRuntimeBackend(precision="int8")`: dynamic quantization) and OpenVINO f32, on real MiniLM embeddings
+of varied sentences (not random hidden states: int8's error depends on the activations' outliers); error as the cosine
+of the flattened output with eager's and the relative L2 error (the per-block budget of int8 is 10%: docs/precision.md).
 `ov_int8_mixed` leaves the feed-forward's output projection in f32 (its input, after GELU, has the outliers).
 """
 

@@ -232,8 +232,9 @@ def _most_calls_shape(layout: CallLayout, samples: Sequence[Call]) -> dict[str, 
 
 def _compress_int8(model: Any) -> int:
     """Store the constant weights of `model`'s 2-D MatMuls (linear layers; the export's Gemm reads back as MatMul) as
-    int8, symmetric per output channel (f32 activations only), in the form OpenVINO's CPU plugin takes for compressed weights (an int8
-    constant, a Convert, a Multiply by the scales, in the `transpose_b` layout); returns how many it compressed.
+    int8, symmetric per output channel (f32 activations only), in the form OpenVINO's CPU plugin takes for compressed
+    weights (an int8 constant, a Convert, a Multiply by the scales, in the `transpose_b` layout); returns how many it
+    compressed.
     Weights reached through a Transpose or a Convert of a constant (the export's transposed Linear weights) are read
     through them. Convolutions and attention's MatMuls of two activations stay as they are."""
     import numpy as np

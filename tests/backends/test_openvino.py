@@ -70,11 +70,11 @@ def test_auto_offers_openvino_in_each_precision_the_cpu_computes() -> None:
     assert ("openvino(precision=int8)" in names) == (cpu_int8_reason() is None), (names, skipped)
 
 
-def test_int8_stores_the_linear_weights_as_int8_and_computes_the_rest_in_f32_within_the_block_budget() -> None:
+def test_int8_stores_the_linear_weights_as_int8_and_stays_within_the_block_budget() -> None:
     """The int8 variant compresses every linear layer's weights (per output channel): OpenVINO runs each linear layer in
     int8 (its activations quantized at run time) and the rest in bf16 where the CPU has it natively, else f32; the
-    outputs differ from eager (really reduced) within int8's per-block budget over a shape family. A block with no linear layer has nothing to compute in
-    int8: the candidate is unavailable, with the reason."""
+    outputs differ from eager (really reduced) within int8's per-block budget over a shape family. A block with no
+    linear layer has nothing to compute in int8: the candidate is unavailable, with the reason."""
     from aitune_hf.core.precision import block_budget
 
     module = BertBlock()
