@@ -477,21 +477,27 @@ class Registration:
             spent.append(max(watch.seconds - notes.tuned_s, 0.0))
             return output, notes
 
+        stepping: set[str] = set()  # blocks sent down one precision (`Target.demote`): they tune in the next replay
         while True:
             output, notes = replayed(tunes)
             if waiting is None:  # what this call met is what its gate judges (others wait for a call that meets them)
                 waiting = [(t, r) for t, r in notes.met if r.provisional]
                 if not waiting:
                     return None
+            elif stepping:  # what they chose when they tuned again in this replay is judged with the rest
+                known = {id(route) for _, route in waiting}
+                waiting += [(t, r) for t, r in notes.met if r.provisional and t.name in stepping and id(r) not in known]
+                stepping.clear()
             figure = measure(reference, output, self.config.quality, gate=True)
-            if figure.passed:
+            if figure.passed or not waiting:
                 break
             target, route = max(waiting, key=lambda item: _rel_error(item[1]))
-            target.demote(route, figure.verdict())
-            if route.new_shape_of is None:  # a whole decision back to fp32 (a new shape's runs eager: its report says)
+            if target.demote(route, figure.verdict()):
+                stepping.add(target.name)
+            elif route.new_shape_of is None:  # back to fp32 (a new shape's runs eager: its report says)
                 demoted.append(target.name)
             waiting.remove((target, route))
-            if not waiting:  # all back to fp32: the figure stays the last one measured with reduced precision
+            if not waiting and not (tunes and stepping):  # all back to fp32: the figure stays the last reduced one
                 break
         for target, route in waiting:
             target.accept(route)

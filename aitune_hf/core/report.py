@@ -262,10 +262,10 @@ class TuningReport:
                     f"kept whole over its {len(report.blocks)} blocks: eager here is its blocks as they serve, timed "
                     "against the whole; a shape family the whole does not win runs its blocks"
                 )
-            demoted = next((s.demoted for s in report.signatures if s.demoted), None)
+            demoted = next((s for s in report.signatures if s.demoted), None)
             if demoted:
                 note = f"{note}; " if note else ""
-                note += f"sent back to fp32 by the end-to-end quality gate: {demoted}"
+                note += f"sent back to {demoted.precision} by the end-to-end quality gate: {demoted.demoted}"
             rows.append(
                 [
                     report.name,
@@ -295,7 +295,7 @@ class TuningReport:
             note = "" if tuned else (signature.reason or "not tuned yet")
             if signature.demoted:
                 note = f"{note}; " if note else ""
-                note += f"sent back to fp32: {signature.demoted}"
+                note += f"sent back to {signature.precision}: {signature.demoted}"
             rows.append(
                 [
                     f"  · {_clip(signature.signature, 56)}",

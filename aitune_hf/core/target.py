@@ -598,7 +598,7 @@ class Target:
                 route.report.shapes += 1
             route.provisional = False
 
-    def demote(self, route: Route, why: str) -> None:
+    def demote(self, route: Route, why: str) -> bool:
         """The gate failed with this route among the worst: its fp32 fallback serves it from now on. Where fp32 was
         tried and lost to eager (`Route.fp32_lost`), eager serves it (for its whole shape family), with no tuning
         again. Where fp32 was not tried (the reduced precision won clearly), the route is dropped and the target tunes
@@ -606,9 +606,10 @@ class Target:
 
         Where the tuning also passed a candidate of a less reduced precision that beat the fp32 fallback (int8 won,
         bf16 was next), the route is dropped and the target tunes again without the precision that failed and any
-        more reduced one: the less reduced winner then waits for the gate in its turn, with its own fp32 fallback.
+        more reduced one, in the gate's next replay, which judges the less reduced winner (`Registration.gate`).
         Measured on real MiniLM at 8 x 128 random tokens (AMD EPYC, AVX512-BF16): OpenVINO int8 won and failed the
-        gate, and its fp32 fallback served at 1.17x of eager where bf16 passes at 2.2x."""
+        gate, and its fp32 fallback served at 1.17x of eager where bf16 passes at 2.2x. Returns True in that case
+        (the gate replays the call again, in which the block tunes, and judges what it chose), else False."""
         with self._lock:
             reduced = route.report.chosen
             note = f"{reduced}: {why}"
@@ -617,7 +618,7 @@ class Target:
                 # recorded to tune again (a tuning would offer the same reduced builds, which the gate just failed).
                 route.backend, route.built, route.provisional = None, None, False
                 route.report.shapes_rejected.append(f"{route.reference.short()}: the end-to-end quality gate: {why}")
-                return
+                return False
             failed = route.backend.precision if route.backend is not None else "fp32"
             if self._less_reduced_won(route, failed):
                 self._tune_again_without(
@@ -625,7 +626,7 @@ class Target:
                     f"{failed} failed the end-to-end quality gate here: this block tunes in less reduced precisions",
                     f"the end-to-end quality gate sent it back from {failed} ({note})",
                 )  # fmt: skip
-                return
+                return True
             if route.fallback is not None:
                 route.backend, route.built, route.guard = route.fallback
                 route.report.chosen = route.backend.describe()
@@ -633,7 +634,7 @@ class Target:
                 route.fallback, route.provisional = None, False
                 if self._state is not TargetState.ARMED:
                     self._settle()
-                return
+                return False
             if route.fp32_lost is not None:
                 # Measured: a MiniLM layer's fp32 candidates at 0.84-1.04x (needs 1.05x) were tuned again for 22-37 s
                 # here, to reach the same eager.
@@ -646,11 +647,12 @@ class Target:
                 route.fp32_lost, route.provisional = None, False
                 if self._state is not TargetState.ARMED:
                     self._settle()
-                return
+                return False
             self._tune_again_without(
                 route, note, lambda backend: backend.precision == "fp32", _DEMOTED,
                 f"the end-to-end quality gate sent it back to fp32 ({note})",
             )  # fmt: skip
+            return False
 
     def _tune_again_without(
         self, route: Route, note: str, allow: Callable[[Backend], bool], reason: str, why: str
