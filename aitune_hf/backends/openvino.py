@@ -234,9 +234,8 @@ def _compress_int8(model: Any) -> int:
     """Store the constant weights of `model`'s 2-D MatMuls (linear layers; the export's Gemm reads back as MatMul) as
     int8, symmetric per output channel (f32 activations only), in the form OpenVINO's CPU plugin takes for compressed
     weights (an int8 constant, a Convert, a Multiply by the scales, in the `transpose_b` layout); returns how many it
-    compressed.
-    Weights reached through a Transpose or a Convert of a constant (the export's transposed Linear weights) are read
-    through them. Convolutions and attention's MatMuls of two activations stay as they are."""
+    compressed. Weights reached through a Transpose or a Convert of a constant (the export's transposed Linear weights)
+    are read through them. Convolutions and attention's MatMuls of two activations stay as they are."""
     import numpy as np
     from openvino import opset13 as ops
 
@@ -244,8 +243,10 @@ def _compress_int8(model: Any) -> int:
     for node in model.get_ordered_ops():
         if node.get_type_name() != "MatMul":
             continue
+        activation = node.input_value(0)
         weights = _constant_value(node.input_value(1).get_node())
-        if weights is None or weights.ndim != 2 or not np.issubdtype(weights.dtype, np.floating):
+        if (weights is None or weights.ndim != 2 or not np.issubdtype(weights.dtype, np.floating)
+                or activation.get_element_type().to_dtype() != np.float32):  # fmt: skip
             continue
         attributes = node.get_attributes()
         # Per output channel: rows of the (N, K) matrix the layer multiplies by.
@@ -253,9 +254,6 @@ def _compress_int8(model: Any) -> int:
         scales = np.abs(rows).max(axis=1, keepdims=True) / 127.0
         scales[scales == 0] = 1.0
         quantized = np.clip(np.round(rows / scales), -127, 127).astype(np.int8)
-        activation = node.input_value(0)
-        if activation.get_element_type().to_dtype() != np.float32:
-            continue
         dequantized = ops.multiply(ops.convert(ops.constant(quantized), "f32"), ops.constant(scales))
         replacement = ops.matmul(activation, dequantized, attributes["transpose_a"], True)
         replacement.set_friendly_name(node.get_friendly_name())
