@@ -420,13 +420,19 @@ def run_workload(
         log(f"  {name}: prepared (cold {result.prepare_seconds or 0:.1f} s, here {here:.1f} s) {result.note}")
 
     times: dict[str, list[float]] = {name: [] for name in objects}
+    served: dict[str, np.ndarray] = {}  # each method's output in the last round: what the timed calls served
     names = list(objects)
     for r in range(rounds):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             with Stopwatch() as watch:
-                workload.call(objects[name])
+                served[name] = workload.call(objects[name])
             times[name].append(watch.seconds)
+    if "eager" in served:  # quality of what the rounds timed (the call that ended a preparation may have been served
+        for name, output in served.items():  # by a fallback while a decision waited for its gate)
+            if name != "eager":
+                out.results[name].max_abs_diff = float(np.abs(output.astype(np.float64) - served["eager"]).max())
+                out.results[name].quality = workload.quality(served["eager"], output)
     for name, samples in times.items():
         result = out.results[name]
         result.latency_s = statistics.median(samples)
@@ -569,7 +575,7 @@ def markdown(results: list[WorkloadResult], setting: dict[str, Any]) -> str:
         f"Setting: {', '.join(f'{k} {v}' for k, v in setting.items())}.",
         "Speed-up: median over interleaved rounds of (eager time / method time) in the same round; ± is the",
         "interquartile range of those ratios. Prepare: cold seconds to compile / export / tune, beyond the calls'",
-        "own eager time. Max diff: largest absolute difference of the whole output from eager's.",
+        "own eager time. Quality and max diff: of each method's output in the last timed round against eager's in it.",
         "Cold / warm (with --cold-warm): the aitune_hf session's prepare seconds (wall, from enable_aitune until",
         "tuned, the calls' eager time included), first with an empty cache_dir, then with what that run wrote.",
         "",
