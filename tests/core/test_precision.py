@@ -343,46 +343,52 @@ class _LessReducedStandIn(ReducedPrecisionStandIn):
         return BuiltBackend(fn=fn)
 
 
-def test_where_int8_fails_the_gate_a_less_reduced_winner_is_tuned_and_gated_before_fp32() -> None:
+def test_where_int8_fails_the_gate_a_less_reduced_winner_is_tuned_and_gated_before_fp32(tmp_path) -> None:
     """Issue 31: OpenVINO int8 won a MiniLM at 8 x 128 and failed the gate; its fp32 fallback served at 1.17x where bf16
     passes at 2.2x. Where the tuning passed a less reduced candidate that beat the fp32 fallback, the gate's failure
     tunes the block again without int8 in the gate's next replay of the call, which judges bf16 there: it passes and
-    serves, and the served output is within the budget of eager's."""
-    torch.manual_seed(0)
-    module = _Twice().eval()
-    module.reduced_error, module.bf16_error = 0.08, 0.001  # int8 fails a 0.999 cosine budget, bf16 passes
-    x = torch.randn(64, 256)
-    double = _DoubleWork()
-    config = {**QUICK, "backends": [_HalfWork(), _LessReducedStandIn(), double], "min_speedup": 0, "repeats": 9}
-    registration = register({"block": module}, config)
-    registration.gate_required = True
-    registration.config.quality = {"cosine": 0.999}
-    target = registration.targets["block"]
-    with torch.no_grad():
-        module(x)
-        registration.tune()
-        module(x)
-        with registration.bypass():
-            reference = module(x)
-
-    def replay() -> torch.Tensor:
+    serves, and the served output is within the budget of eager's. The cache keeps bf16: a warm start serves it after
+    one replay of the gate, never int8."""
+    for warm in (False, True):
+        torch.manual_seed(0)
+        module = _Twice().eval()
+        module.reduced_error, module.bf16_error = 0.08, 0.001  # int8 fails a 0.999 cosine budget, bf16 passes
+        x = torch.randn(64, 256)
+        backends = [_HalfWork(), _LessReducedStandIn(), _DoubleWork()]
+        config = {**QUICK, "backends": backends, "min_speedup": 0, "repeats": 9, "cache_dir": str(tmp_path)}
+        registration = register({"block": module}, config)
+        registration.gate_required = True
+        registration.config.quality = {"cosine": 0.999}
+        target = registration.targets["block"]
         with torch.no_grad():
-            return module(x)
+            module(x)
+            registration.tune()
+            module(x)
+            with registration.bypass():
+                reference = module(x)
 
-    assert target.report().signatures[0].chosen == "half_work"
-    # int8 fails; the gate replays the call again, in which the block tunes without int8, and judges bf16 there.
-    figure = registration.gate(reference, replay)
-    assert figure is not None and figure.passed and not registration.waiting_for_gate
-    assert registration.quality["replays"] == 2 and registration.quality["demoted"] == []
-    signature = target.report().signatures[-1]
-    assert signature.chosen == "bf16_stand_in", target.report()
-    assert "half_work" not in {c.backend for c in signature.candidates if c.error is None}
-    assert "int8 failed the end-to-end quality gate" in next(c.error for c in signature.candidates
-                                                             if c.backend == "half_work")  # fmt: skip
-    assert "sent back to bf16 by the end-to-end quality gate: half_work: min cosine" in str(registration.report())
-    with torch.no_grad():
-        served = module(x)
-    assert target.calls_served.get("bf16_stand_in", 0) >= 1
-    assert measure(reference, served, {"cosine": 0.999}, gate=True).passed
-    assert not torch.equal(served, reference)  # bf16 serves, not eager
-    registration.detach()
+        def replay(module: nn.Module = module, x: torch.Tensor = x) -> torch.Tensor:
+            with torch.no_grad():
+                return module(x)
+
+        first = target.report().signatures[0]
+        expected = ("bf16_stand_in", True) if warm else ("half_work", False)
+        assert (first.chosen, first.from_cache is not None) == expected
+        # Cold: int8 fails; the gate replays the call again, in which the block tunes without int8, and judges bf16.
+        figure = registration.gate(reference, replay)
+        assert figure is not None and figure.passed and not registration.waiting_for_gate
+        assert registration.quality["replays"] == (1 if warm else 2) and registration.quality["demoted"] == []
+        signature = target.report().signatures[-1]
+        assert signature.chosen == "bf16_stand_in", target.report()
+        if not warm:
+            assert "half_work" not in {c.backend for c in signature.candidates if c.error is None}
+            assert "int8 failed the end-to-end quality gate" in next(c.error for c in signature.candidates
+                                                                     if c.backend == "half_work")  # fmt: skip
+            assert "sent back to bf16 by the end-to-end quality gate: half_work: min" in str(registration.report())
+        before = dict(target.calls_served)
+        with torch.no_grad():
+            served = module(x)
+        assert target.calls_served.get("bf16_stand_in", 0) == before.get("bf16_stand_in", 0) + 1
+        assert measure(reference, served, {"cosine": 0.999}, gate=True).passed
+        assert not torch.equal(served, reference)  # bf16 serves, not eager
+        registration.detach()
