@@ -398,7 +398,6 @@ def run_workload(
     if not methods:  # --methods none: no side-by-side measurement
         return out
     objects: dict[str, Any] = {}
-    reference = None
     for name in methods:
         result = out.results[name] = MethodResult(name)
         try:
@@ -410,11 +409,6 @@ def run_workload(
             result.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
             log(f"  {name}: FAILED {result.error}")
             continue
-        if name == "eager":
-            reference = prepared.output
-        else:
-            result.max_abs_diff = float(np.abs(prepared.output.astype(np.float64) - reference).max())
-            result.quality = workload.quality(reference, prepared.output)
         objects[name] = prepared.obj
         here = prepared.seconds
         log(f"  {name}: prepared (cold {result.prepare_seconds or 0:.1f} s, here {here:.1f} s) {result.note}")
@@ -428,11 +422,12 @@ def run_workload(
             with Stopwatch() as watch:
                 served[name] = workload.call(objects[name])
             times[name].append(watch.seconds)
-    if "eager" in served:  # quality of what the rounds timed (the call that ended a preparation may have been served
-        for name, output in served.items():  # by a fallback while a decision waited for its gate)
-            if name != "eager":
-                out.results[name].max_abs_diff = float(np.abs(output.astype(np.float64) - served["eager"]).max())
-                out.results[name].quality = workload.quality(served["eager"], output)
+    # Quality of what the rounds timed, not of the call that ended a preparation (a fallback may have served that one
+    # while a decision waited for its gate).
+    for name, output in served.items():
+        if name != "eager":
+            out.results[name].max_abs_diff = float(np.abs(output.astype(np.float64) - served["eager"]).max())
+            out.results[name].quality = workload.quality(served["eager"], output)
     for name, samples in times.items():
         result = out.results[name]
         result.latency_s = statistics.median(samples)
