@@ -178,15 +178,18 @@ class ReducedPrecisionStandIn(Backend):
     name = "reduced_stand_in"
     precision = "int8"
     polymorphic = True  # with dynamic=True, one build serves every batch size (dimension 0 of each tensor)
+    #: The module attribute holding the error (a subclass of another precision reads its own), and the seed of the
+    #: perturbation's direction.
+    error_attribute, seed = "reduced_error", 5
 
     def build(
         self, module: nn.Module, forward: Callable[..., Any], samples: Sequence[Call], dynamic: bool = False
     ) -> BuiltBackend:
         def fn(*args: Any, **kwargs: Any) -> Any:
             out = forward(*args, **kwargs)
-            error = float(getattr(module, "reduced_error", 0.01))
+            error = float(getattr(module, self.error_attribute, 0.01))
             error = getattr(module, "reduced_error_at", {}).get(out.shape[0], error)  # {rows: error} for some shapes
-            direction = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+            direction = torch.randn(out.shape, generator=torch.Generator().manual_seed(self.seed))
             return out + error * out.norm() * direction / direction.norm()
 
         leaves = torch.utils._pytree.tree_leaves(samples[0])

@@ -333,14 +333,7 @@ class _LessReducedStandIn(ReducedPrecisionStandIn):
 
     name = "bf16_stand_in"
     precision = "bf16"
-
-    def build(self, module: nn.Module, forward, samples, dynamic: bool = False):  # type: ignore[no-untyped-def]
-        def fn(*args, **kwargs):  # type: ignore[no-untyped-def]
-            out = forward(*args, **kwargs)
-            direction = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
-            return out + module.bf16_error * out.norm() * direction / direction.norm()
-
-        return BuiltBackend(fn=fn)
+    error_attribute, seed = "bf16_error", 7
 
 
 def test_where_int8_fails_the_gate_a_less_reduced_winner_is_tuned_and_gated_before_fp32(tmp_path) -> None:
