@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from aitune_hf import TargetState, TuningConfig, hardware, register
+from aitune_hf import Registration, TargetState, TuningConfig, hardware, register
 from aitune_hf.backends import InductorBackend, OnnxRuntimeBackend
 from aitune_hf.backends.base import Backend, BuiltBackend
 from aitune_hf.core.precision import native_reason, with_precisions
@@ -76,6 +76,19 @@ def _chain(errors: list[float]) -> nn.Sequential:
     return nn.Sequential(*blocks).eval()
 
 
+def _record_and_tune(
+    model: nn.Module, registration: Registration, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Record a call of `model`, arm and tune at the next one: (the tuning call's output, eager's reference now)."""
+    with torch.no_grad():
+        model(x)
+        registration.tune()
+        tuned = model(x)
+        with registration.bypass():
+            reference = model(x)
+    return tuned, reference
+
+
 def _waiting_for_the_gate(errors: list[float]):
     """A chain of stand-in blocks (`errors`: each one's reduced-precision error), tuned with the gate required: returns
     (model, x, registration, the tuning call's output, eager's reference, a replay of the whole call)."""
@@ -83,12 +96,8 @@ def _waiting_for_the_gate(errors: list[float]):
     x = torch.randn(6, 32)
     registration = register(model, {**QUICK, "backends": [ReducedPrecisionStandIn()], "min_speedup": 0})
     registration.gate_required = True
-    with torch.no_grad():
-        model(x)
-        registration.tune()
-        waiting = model(x)  # tunes; the reduced decisions wait for the gate: eager serves them meanwhile
-        with registration.bypass():
-            reference = model(x)
+    # The tuning call: the reduced decisions wait for the gate, eager serves them meanwhile.
+    waiting, reference = _record_and_tune(model, registration, x)
 
     def replay() -> torch.Tensor:
         with torch.no_grad():
@@ -194,12 +203,7 @@ def test_a_reduced_decision_whose_fp32_candidates_lost_goes_back_to_eager_withou
         },
     )
     registration.gate_required = True
-    with torch.no_grad():
-        model(x)
-        registration.tune()
-        model(x)
-        with registration.bypass():
-            reference = model(x)
+    _, reference = _record_and_tune(model, registration, x)
     decisions = {name: t.report().signatures[0] for name, t in registration.targets.items()}
     assert {d.chosen for d in decisions.values()} == {"half_work"}, registration.report()
     # fp32 was tried beside it on block 0 (no clear win), and lost: no fallback; block 1, identical, takes that
@@ -353,12 +357,7 @@ def test_where_int8_fails_the_gate_a_less_reduced_winner_is_tuned_and_gated_befo
         registration.gate_required = True
         registration.config.quality = {"cosine": 0.999}
         target = registration.targets["block"]
-        with torch.no_grad():
-            module(x)
-            registration.tune()
-            module(x)
-            with registration.bypass():
-                reference = module(x)
+        _, reference = _record_and_tune(module, registration, x)
 
         def replay(module: nn.Module = module, x: torch.Tensor = x) -> torch.Tensor:
             with torch.no_grad():
