@@ -213,17 +213,19 @@ def test_a_warm_cache_imports_the_int8_model_as_compiled(tmp_path: Path) -> None
     torch.testing.assert_close(served[1], served[0], atol=1e-6, rtol=1e-6)
 
 
-def test_a_weight_edit_is_seen_and_the_served_output_stays_eager_s() -> None:
-    """The weights are baked into the compiled model: an in-place edit (no version bump) is caught by the core's weight
-    check, and the call returns what eager returns now."""
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_a_weight_edit_is_seen_and_the_served_output_stays_eager_s(precision: str) -> None:
+    """The weights are baked into the compiled model (int8: compressed into it): an in-place edit (no version bump) is
+    caught by the core's weight check, and the call returns what eager returns now."""
     module = BertBlock()
     call = _bert_call(2, 8)
-    config = {**QUICK, "backends": ["openvino"], "min_speedup": 0, "shapes": "exact"}
+    backend = OpenVinoBackend(precision=precision)
+    config = {**QUICK, "backends": [backend], "min_speedup": 0, "shapes": "exact"}
     with register({"block": module}, config) as registration, torch.no_grad():
         module(*call)
         registration.tune()
         module(*call)
-        assert registration.targets["block"].calls_served.get("openvino", 0) >= 1
+        assert registration.targets["block"].calls_served.get(backend.describe(), 0) >= 1
         module.layer.output.dense.weight.data.add_(0.5)
         torch.testing.assert_close(module(*call), BertBlock.forward(module, *call), **FP32)
 
