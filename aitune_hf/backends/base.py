@@ -57,6 +57,11 @@ class BuiltBackend:
     #: Made from an earlier build's work in this process (`BuildContext.sibling`, `BuildContext.state`) with this
     #: module's weights put in, not built afresh: if it fails its check, the core builds again without reuse.
     reused: bool = False
+    #: Begins a call on the backend's own threads and returns what waits for it and returns its output (raising what
+    #: the call raised); None: the backend computes on the caller's thread. The core starts a route's call this way
+    #: before it checks the route's guard, so the guard costs the caller no time, and uses the output only where the
+    #: guard holds (else it waits for it and drops it): `Target.call`, and `TuningStrategy.serving` as timed.
+    start: Callable[..., Callable[[], Any]] | None = None
 
 
 class ArtifactPlace(abc.ABC):

@@ -363,12 +363,17 @@ class TuningJob:
         return survivors
 
     def serving(self, result: CandidateResult, built: BuiltBackend) -> Callable[..., Any]:
-        """The candidate as it will serve: behind its guard check, whose cost is part of what is timed."""
+        """The candidate as it will serve: behind its guard check, whose cost is part of what is timed (checked while
+        the backend computes where it computes on threads of its own, `BuiltBackend.start`, as `Target.call` does)."""
         guard = self.guards[result.backend]
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
+            if built.start is None:
+                guard.check()
+                return built.fn(*args, **kwargs)
+            finish = built.start(*args, **kwargs)
             guard.check()
-            return built.fn(*args, **kwargs)
+            return finish()
 
         return guarded
 

@@ -325,7 +325,16 @@ class Target:
             observer(self.name)
             state = self._state  # the observer may have armed this target
         signature = signature_of(args, kwargs)
-        route, change = self._lookup(signature)
+        started = self._start(signature, args, kwargs)
+        try:
+            route, change = self._lookup(signature)
+        except BaseException:
+            if started is not None:
+                _drop(started[1])
+            raise
+        if started is not None and started[0] is not route:  # its guard failed: waited for, its output unused
+            _drop(started[1])
+            started = None
         if route is None:
             training = training_reason(self.module)
             if training is not None:  # dropout is live: nothing to record, tune or check; eager, as the module is
@@ -335,6 +344,8 @@ class Target:
                 return self.original_forward(*args, **kwargs)
         if self.training is not None:
             self.training = None
+        if started is not None:
+            return self._serve(signature, route, args, kwargs, started[1])
         if route is None and self._families:  # a new shape (or state) that a polymorphic build may cover
             checked = self._check_new_shape(signature, args, kwargs)
             if checked is not _NOT_COVERED:
@@ -544,7 +555,35 @@ class Target:
             change = change or failed
         return None, change
 
-    def _serve(self, signature: InputSignature, route: Route, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _start(
+        self, signature: InputSignature, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Route, Callable[[], Any]] | None:
+        """Where the first route of `signature` serves a backend that computes on threads of its own
+        (`BuiltBackend.start`: OpenVINO), its call begins before any guard is checked, and `_lookup` checks the guards
+        while it runs: the route and what waits for its output; None otherwise (the call starts after the guard holds).
+        A reduced-precision route waiting for its gate is not started (`_serve` may send the call elsewhere)."""
+        routes = self._routes.get(signature)
+        if not routes:
+            return None
+        route = routes[0]
+        built = route.built
+        if built is None or built.start is None or route.provisional:
+            return None
+        try:
+            return route, built.start(*args, **kwargs)
+        except Exception:  # served the plain way, which says what raised
+            return None
+
+    def _serve(
+        self,
+        signature: InputSignature,
+        route: Route,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        started: Callable[[], Any] | None = None,
+    ) -> Any:
+        """Serve the call by `route` (its guard held), or by its fallback or eager where it waits for the gate; with
+        `started`, the route's call already running (`_start`)."""
         built, chosen = route.built, route.report.chosen
         notes = self._context.notes()
         if route.provisional and notes is not None:
@@ -558,9 +597,12 @@ class Target:
                 self._count("eager")
                 return self.original_forward(*args, **kwargs)
         try:
-            if built is None:  # another thread dropped it a moment ago
+            if started is not None:
+                output = started()
+            elif built is None:  # another thread dropped it a moment ago
                 raise RuntimeError(f"{chosen} was dropped")
-            output = built.fn(*args, **kwargs)
+            else:
+                output = built.fn(*args, **kwargs)
         except Exception as error:
             logger.warning("%s: %s raised while serving; falling back to eager", self.name, chosen, exc_info=True)
             with self._lock:
@@ -930,3 +972,11 @@ class Target:
 
     def __repr__(self) -> str:
         return f"Target({self.name!r}, {type(self.module).__name__}, state={self._state})"
+
+
+def _drop(started: Callable[[], Any]) -> None:
+    """Wait for a started call whose output goes unused (`Target._start`), so its infer request is free again."""
+    try:
+        started()
+    except Exception:  # nothing of it reaches the caller
+        logger.debug("a started call whose output was not used raised", exc_info=True)

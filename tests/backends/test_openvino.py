@@ -136,8 +136,8 @@ def test_concurrent_callers_each_get_their_own_infer_request() -> None:
     def run(index: int) -> None:
         start.wait()
         with torch.no_grad():
-            for _ in range(20):
-                got = built.fn(*calls[index])
+            for round_ in range(20):  # the call as timed and checked, and as served (started, then waited for)
+                got = built.fn(*calls[index]) if round_ % 2 else built.start(*calls[index])()
                 if got.shape != expected[index].shape or not torch.allclose(got, expected[index], **FP32):
                     failures.append(f"thread {index}")
                     return
@@ -228,6 +228,33 @@ def test_a_weight_edit_is_seen_and_the_served_output_stays_eager_s(precision: st
         assert registration.targets["block"].calls_served.get(backend.describe(), 0) >= 1
         module.layer.output.dense.weight.data.add_(0.5)
         torch.testing.assert_close(module(*call), BertBlock.forward(module, *call), **FP32)
+
+
+def test_a_call_started_before_its_guard_failed_is_dropped_and_the_route_serves_again_once_it_holds() -> None:
+    """A served call starts on OpenVINO's thread before the guard is checked (`BuiltBackend.start`). Where the guard
+    fails, that call's output is never returned (eager's is) and its infer request is waited for: once the weight holds
+    its built value again, the same thread's next call is served by OpenVINO, with no error reported."""
+    module = BertBlock()
+    call = _bert_call(2, 8)
+    backend = OpenVinoBackend()
+    config = {**QUICK, "backends": [backend], "min_speedup": 0, "shapes": "exact"}
+    weight = module.layer.output.dense.weight
+    built_value = weight.detach().clone()
+    with register({"block": module}, config) as registration, torch.no_grad():
+        module(*call)
+        registration.tune()
+        target = registration.targets["block"]
+        served = target.calls_served.get("openvino", 0)
+        torch.testing.assert_close(module(*call), BertBlock.forward(module, *call), **FP32)
+        assert target.calls_served["openvino"] == served + 1
+        weight.data.add_(0.5)  # no version bump: the sampled values see it
+        edited = BertBlock.forward(module, *call)
+        torch.testing.assert_close(module(*call), edited, atol=0, rtol=0)
+        assert target.calls_served["openvino"] == served + 1
+        weight.data.copy_(built_value)
+        torch.testing.assert_close(module(*call), BertBlock.forward(module, *call), **FP32)
+        assert target.calls_served["openvino"] == served + 2
+        assert "raised" not in str(registration.report())
 
 
 def test_bad_options_name_the_value_and_what_is_valid() -> None:
