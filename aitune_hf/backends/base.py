@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -57,11 +57,21 @@ class BuiltBackend:
     #: Made from an earlier build's work in this process (`BuildContext.sibling`, `BuildContext.state`) with this
     #: module's weights put in, not built afresh: if it fails its check, the core builds again without reuse.
     reused: bool = False
-    #: Begins a call on the backend's own threads and returns what waits for it and returns its output (raising what
-    #: the call raised); None: the backend computes on the caller's thread. The core starts a route's call this way
-    #: before it checks the route's guard, so the guard costs the caller no time, and uses the output only where the
-    #: guard holds (else it waits for it and drops it): `Target.call`, and `TuningStrategy.serving` as timed.
-    start: Callable[..., Callable[[], Any]] | None = None
+    #: Begins a call on the backend's own threads (`Started`); None: the backend computes on the caller's thread. The
+    #: core starts a route's call this way before it checks the route's guard, so the check costs the caller no time,
+    #: and takes the output only where the guard holds (else it cancels the call): `Target.call`, and
+    #: `TuningJob.serving` as timed.
+    start: Callable[..., Started] | None = None
+
+
+class Started(Protocol):
+    """A call running on a backend's own threads (`BuiltBackend.start`), owned by the thread that started it."""
+
+    def result(self) -> Any:
+        """Wait for the call and return its output (raising what it raised)."""
+
+    def cancel(self) -> None:
+        """Its output is not wanted: stop it where the backend can, and return once it no longer runs."""
 
 
 class ArtifactPlace(abc.ABC):

@@ -4,6 +4,7 @@ family, one infer request per calling thread."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import logging
@@ -403,9 +404,9 @@ class _InferRunner:
         results = self._request(static).infer(feeds, share_inputs=True, share_outputs=False)
         return self._output([results[output] for output in self._outputs[static]])
 
-    def start(self, *args: Any, **kwargs: Any) -> Callable[[], Any]:
-        """Begin the call on OpenVINO's own thread (this thread's infer request, asynchronously) and return what waits
-        for it and returns the output (`BuiltBackend.start`): the caller's thread checks the route's guard meanwhile.
+    def start(self, *args: Any, **kwargs: Any) -> _Started:
+        """Begin the call on OpenVINO's own thread (this thread's infer request, asynchronously): the caller's thread
+        checks the route's guard meanwhile (`BuiltBackend.start`).
 
         Measured on real MiniLM whole, 1 x 61 tokens, one OpenVINO thread (AMD EPYC, 2 cores): the guard's check, run
         cold after the engine as it is in serving (121 module dicts, 105 sampled weights), cost 0.6-0.7 ms a call in
@@ -413,9 +414,25 @@ class _InferRunner:
         feeds, static = self._feeds(args, kwargs)
         request = self._request(static)
         request.start_async(feeds, share_inputs=True)
+        return _Started(self, request, static, feeds)
 
-        def finish(_reading: dict[str, Any] = feeds) -> Any:  # the arrays OpenVINO reads stay alive until it is done
-            request.wait()
-            return self._output([request.get_tensor(output).data.copy() for output in self._outputs[static]])
 
-        return finish
+class _Started:
+    """A call running on OpenVINO's thread (`_InferRunner.start`); it holds the arrays OpenVINO reads until it ends."""
+
+    __slots__ = ("_feeds", "_request", "_runner", "_static")
+
+    def __init__(self, runner: _InferRunner, request: Any, static: bool, feeds: dict[str, Any]) -> None:
+        self._runner, self._request, self._static, self._feeds = runner, request, static, feeds
+
+    def result(self) -> Any:
+        self._request.wait()
+        outputs = self._runner._outputs[self._static]
+        return self._runner._output([self._request.get_tensor(output).data.copy() for output in outputs])
+
+    def cancel(self) -> None:
+        """OpenVINO stops between layers: measured on real MiniLM whole (1 x 61 tokens, a 15 ms call), cancelled after
+        the guard's check, the call had cost 0.6-0.8 ms in all."""
+        self._request.cancel()
+        with contextlib.suppress(RuntimeError):  # a cancelled call raises on wait(), and one that ended does not
+            self._request.wait()

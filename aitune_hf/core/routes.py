@@ -44,9 +44,15 @@ class Route:
     #: The relative error the block check measured at that new shape (what the gate demotes by, largest first).
     rel_error: float | None = None
 
+    #: Whether its guard held when last checked: a route whose guard just failed is not started before its check
+    #: (`Target._start`), until it holds again.
+    held: bool = True
+
     def holds(self) -> str | None:
         """None when this route may serve now, else what changed."""
-        return self.guard.check()
+        failed = self.guard.check()
+        self.held = failed is None
+        return failed
 
     def covers(self, signature: InputSignature, alike_only: bool = False) -> bool:
         """True when the built backend takes `signature`'s shapes (a polymorphic build, sizes in its range). A

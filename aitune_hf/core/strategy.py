@@ -371,9 +371,9 @@ class TuningJob:
             if built.start is None:
                 guard.check()
                 return built.fn(*args, **kwargs)
-            finish = built.start(*args, **kwargs)
+            started = built.start(*args, **kwargs)
             guard.check()
-            return finish()
+            return started.result()
 
         return guarded
 

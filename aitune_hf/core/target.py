@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch._C._dynamo.eval_frame import set_eval_frame  # what torch.compiler.disable calls around a function
 
-from aitune_hf.backends.base import Backend
+from aitune_hf.backends.base import Backend, Started
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.decisions import Decision
@@ -332,7 +332,7 @@ class Target:
             if started is not None:
                 _drop(started[1])
             raise
-        if started is not None and started[0] is not route:  # its guard failed: waited for, its output unused
+        if started is not None and started[0] is not route:  # its guard failed: its output is not wanted
             _drop(started[1])
             started = None
         if route is None:
@@ -557,17 +557,19 @@ class Target:
 
     def _start(
         self, signature: InputSignature, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Route, Callable[[], Any]] | None:
-        """Where the first route of `signature` serves a backend that computes on threads of its own
-        (`BuiltBackend.start`: OpenVINO), its call begins before any guard is checked, and `_lookup` checks the guards
-        while it runs: the route and what waits for its output; None otherwise (the call starts after the guard holds).
-        A reduced-precision route waiting for its gate is not started (`_serve` may send the call elsewhere)."""
+    ) -> tuple[Route, Started] | None:
+        """Where the newest route of `signature` (the module state as it last changed) serves a backend that computes on
+        threads of its own (`BuiltBackend.start`: OpenVINO), its call begins before any guard is checked, and `_lookup`
+        checks the guards while it runs: that route and its running call; None otherwise (the call starts after its
+        guard holds). Not started: a route whose guard failed when last checked (until it holds again: a state change
+        costs one cancelled call, not one a call), and a reduced-precision route waiting for its gate (`_serve` may
+        send the call elsewhere). States that alternate call by call cancel the calls started for the other state."""
         routes = self._routes.get(signature)
         if not routes:
             return None
-        route = routes[0]
+        route = routes[-1]
         built = route.built
-        if built is None or built.start is None or route.provisional:
+        if built is None or built.start is None or route.provisional or not route.held:
             return None
         try:
             return route, built.start(*args, **kwargs)
@@ -580,7 +582,7 @@ class Target:
         route: Route,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        started: Callable[[], Any] | None = None,
+        started: Started | None = None,
     ) -> Any:
         """Serve the call by `route` (its guard held), or by its fallback or eager where it waits for the gate; with
         `started`, the route's call already running (`_start`)."""
@@ -598,7 +600,7 @@ class Target:
                 return self.original_forward(*args, **kwargs)
         try:
             if started is not None:
-                output = started()
+                output = started.result()
             elif built is None:  # another thread dropped it a moment ago
                 raise RuntimeError(f"{chosen} was dropped")
             else:
@@ -974,9 +976,9 @@ class Target:
         return f"Target({self.name!r}, {type(self.module).__name__}, state={self._state})"
 
 
-def _drop(started: Callable[[], Any]) -> None:
-    """Wait for a started call whose output goes unused (`Target._start`), so its infer request is free again."""
+def _drop(started: Started) -> None:
+    """Cancel a started call whose output is not wanted (`Target._start`)."""
     try:
-        started()
+        started.cancel()
     except Exception:  # nothing of it reaches the caller
-        logger.debug("a started call whose output was not used raised", exc_info=True)
+        logger.debug("cancelling a started call whose output was not wanted raised", exc_info=True)
