@@ -10,7 +10,16 @@ import torch
 
 from aitune_hf import TargetState
 from tests.hf.conftest import call_kwargs
-from tests.hf.test_guards_diffusers import ATOL, STEPS, assert_changed, check, finish, lora_folders, sd  # noqa: F401
+from tests.hf.test_guards_diffusers import (  # noqa: F401
+    ATOL,
+    MID,
+    STEPS,
+    assert_changed,
+    check,
+    finish,
+    lora_folders,
+    sd,
+)
 from tests.quick import QUICK
 
 pytest.importorskip("openvino")
@@ -49,4 +58,28 @@ def test_every_sd_block_served_by_openvino_follows_a_lora_change(sd) -> None:  #
         raise AssertionError(f"not served by OpenVINO again:\n{pipe.aitune.report()}")
     assert all(registration.targets[name].state is TargetState.TUNED for name in unet)
     np.testing.assert_allclose(tuned, changed, atol=ATOL)
+    finish(pipe)
+
+
+def test_a_per_call_lora_scale_served_by_openvino_is_right_on_every_call(sd) -> None:  # noqa: F811 (the fixture)
+    """peft's per-call scale changes a UNet stage's state call by call. A call served by OpenVINO starts before the
+    guard is checked (the route of the state that changed last) and is cancelled where the other state's route holds:
+    every call equals eager in its state, and once both states have routes, both are served by OpenVINO."""
+    pipe = sd("a")
+    full = {"cross_attention_kwargs": {"scale": 1.0}}
+    low = {"cross_attention_kwargs": {"scale": 0.3}}
+    registration = pipe.enable_aitune(MID, **OPENVINO)
+    for _ in range(2):  # records, then tunes inside the second call
+        pipe(**call_kwargs("sd"), **full, generator=torch.Generator().manual_seed(0))
+    assert registration.targets[MID[0]].state is TargetState.TUNED, registration.report()
+    reference = check(pipe, "tuning", **full)
+    for cycle in range(4):
+        assert_changed(reference, check(pipe, f"scale 0.3 (cycle {cycle})", **low), "scale 0.3")
+        np.testing.assert_allclose(check(pipe, f"scale 1.0 (cycle {cycle})", **full), reference, atol=1e-6)
+    for extra in (low, full, low, full):  # both states routed: every UNet call served by OpenVINO
+        before = openvino_calls(pipe)[MID[0]]
+        check(pipe, "both states routed", **extra)
+        assert openvino_calls(pipe)[MID[0]] - before == STEPS, pipe.aitune.report()
+    assert registration.reports[MID[0]].routes == 2, pipe.aitune.report()
+    assert "raised" not in str(pipe.aitune.report())
     finish(pipe)
