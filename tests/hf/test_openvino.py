@@ -1,6 +1,7 @@
 """OpenVINO through the whole user flow: a tiny SD pipeline with a real peft LoRA adapter, every block tuned with
 OpenVINO (fp32: f32 even on a CPU whose OpenVINO default is bf16), then an adapter weight change: every served call
-equals an eager call in the same state, and the changed stages are served by OpenVINO again on their own."""
+equals an eager call in the same state, and the changed stages are served by OpenVINO again on their own; and a per-call
+LoRA scale alternating the state of a stage served by OpenVINO, whose calls start before their guard is checked."""
 
 from __future__ import annotations
 
