@@ -83,8 +83,7 @@ def test_int8_stores_the_linear_weights_as_int8_and_stays_within_the_block_budge
     assert variant.config()["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == 32
     built = _build(variant, module, [_bert_call(2, 8), _bert_call(3, 13)], dynamic=True)
     assert ("bfloat16" if cpu_bf16_reason() is None else "float32") in built.fn.precision()  # the rest
-    linear = [info["runtimePrecision"].astype(str) for info in _runtime_info(built)
-              if info["layerType"].astype(str) == "FullyConnected"]  # fmt: skip
+    linear = _linear_precisions(built)
     assert len(linear) == 6 and set(linear) == {"i8"}, linear  # q, k, v, attention output, intermediate, output
     for batch, length in [(2, 8), (1, 21)]:
         call = _bert_call(batch, length)
@@ -210,8 +209,7 @@ def test_a_warm_cache_imports_the_int8_model_as_compiled(tmp_path: Path) -> None
         assert target.report().backend == "openvino(precision=int8)", registration.report()
         assert (target.report().signatures[0].from_cache is not None) == (expected_source == "cache")
         (route,) = (route for routes in target._routes.values() for route in routes)
-        linear = {info["runtimePrecision"].astype(str) for info in _runtime_info(route.built)
-                  if info["layerType"].astype(str) == "FullyConnected"}  # fmt: skip
+        linear = set(_linear_precisions(route.built))
         assert linear == {"i8"}, linear
         registration.detach()
     torch.testing.assert_close(served[1], served[0], atol=1e-6, rtol=1e-6)
@@ -346,6 +344,12 @@ def _runtime_info(built) -> list:
     """The runtime information of each layer OpenVINO's CPU plugin runs for a build (its runtime model, after its own
     fusions): `layerType`, `runtimePrecision`, ..."""
     return [op.get_rt_info() for op in built.fn.compiled.get_runtime_model().get_ops()]
+
+
+def _linear_precisions(built) -> list[str]:
+    """The precision each linear layer (FullyConnected) of a build runs in, in the CPU plugin's runtime model."""
+    return [info["runtimePrecision"].astype(str) for info in _runtime_info(built)
+            if info["layerType"].astype(str) == "FullyConnected"]  # fmt: skip
 
 
 def _runtime_layers(built) -> set[str]:
