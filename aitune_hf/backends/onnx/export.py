@@ -76,26 +76,22 @@ def export_flat(
     names: tuple[list[str], list[str], list[str]],
     opset_version: int | None,
     raw: list[Any] | None = None,
+    traced: list[Any] | None = None,
+    program: torch.export.ExportedProgram | None = None,
 ) -> Any:
     """One `torch.onnx.export` of `twin_forward`'s call (a private copy's: the exporter swaps its parameters for fake
     tensors while it traces), with the weights as inputs when `weights` names them and the tensor leaves as inputs;
     `dims`: per tensor input, the dimensions exported as `Dim.AUTO` (None: the example's shapes). `raw`, when given,
     gets the model before onnxscript's optimizer (`Skeleton`); the program returned is optimized, as
-    `torch.onnx.export(optimize=True)` returns it."""
+    `torch.onnx.export(optimize=True)` returns it. `traced`, when given, gets the trace the export was made from
+    (`trace_flat`'s program, before the exporter's decompositions): what OpenVINO's PyTorch frontend reads. `program`:
+    that trace made already (by the other door, for this call), exported without tracing again."""
     weight_names, input_names, output_names = names
-    flat = _FlatForward(twin, twin_forward, in_leaves, in_spec, tensor_positions, list(weights)).train(training)
-    # Weights are passed as they are (no copy) unless they are inference tensors, which the exporter cannot take
-    # outside inference mode; tied weights are passed once per name.
-    example = tuple(w.clone() if w.is_inference() else w.detach() for w in weights.values())
-    # Row-major examples: the exporter cannot take every layout (channels-last, transposed views); the graph does not
-    # depend on it, and `cpu_array` feeds the session row-major copies of such inputs.
-    example += tuple(in_leaves[i].clone(memory_format=torch.contiguous_format) for i in tensor_positions)
-    dynamic_shapes = None
-    if dims is not None:
-        auto = torch.export.Dim.AUTO
-        dynamic_shapes = (tuple(None for _ in weights) + tuple({d: auto for d in f} or None for f in dims),)
     registry = torchlib_registry(opset_version)
     if registry is None:  # a torch whose exporter moved: its public call, which builds the table every time
+        flat, example, dynamic_shapes = (program, (), None) if program is not None else _flat_call(
+            twin, twin_forward, weights, in_leaves, in_spec, tensor_positions, training, dims
+        )  # fmt: skip
         program = torch.onnx.export(
             flat,
             example,
@@ -113,15 +109,18 @@ def export_flat(
         return program
     from torch.onnx._internal.exporter import _core
 
+    if program is None:
+        program = trace_flat(twin, twin_forward, weights, in_leaves, in_spec, tensor_positions, training, dims)
+    if traced is not None:
+        traced.append(program)
     # What `torch.onnx.export(..., dynamo=True)` does for these arguments (`_compat.export_compat`: tensor-only
-    # positional examples, `Dim` dynamic shapes, no custom ops, no file), less building the table; its last steps
-    # (optimize, then name inputs and outputs) are `optimized`'s, so that `raw` can keep the model before them.
+    # positional examples, `Dim` dynamic shapes, no custom ops, no file), less building the table and capturing the
+    # program (`trace_flat`, the exporter's own capture, kept for the other door); its last steps (optimize, then name
+    # inputs and outputs) are `optimized`'s, so that `raw` can keep the model before them. The exporter decomposes a
+    # copy: the program it is given stays as traced.
     program = _core.export(
-        flat,
-        example,
-        None,
+        program,
         registry=registry,
-        dynamic_shapes=dynamic_shapes,
         opset_version=opset_version or default_opset(),
         optimize=False,
         verbose=False,  # no "[torch.onnx] ..." progress lines (the exporter's only prints to stdout)
@@ -134,6 +133,62 @@ def export_flat(
         raw.append(program.model_proto)
     program.model = optimized(program.model, weight_names + input_names, output_names)
     return program
+
+
+def trace_flat(
+    twin: torch.nn.Module,
+    twin_forward: Callable[..., Any],
+    weights: dict[str, torch.Tensor],
+    in_leaves: list[Any],
+    in_spec: pytree.TreeSpec,
+    tensor_positions: list[int],
+    training: bool,
+    dims: list[frozenset[int]] | None,
+) -> torch.export.ExportedProgram:
+    """The trace both doors read: `torch.export`'s program of `twin_forward`'s call, flattened as `export_flat` takes
+    it, captured as the ONNX exporter captures it (its capture strategies in its order: non-strict first), before any
+    decomposition. Raises what the first strategy raised when none traces."""
+    flat, example, dynamic_shapes = _flat_call(twin, twin_forward, weights, in_leaves, in_spec, tensor_positions,
+                                               training, dims)  # fmt: skip
+    try:
+        from torch.onnx._internal.exporter import _capture_strategies
+
+        strategies = list(_capture_strategies.CAPTURE_STRATEGIES)
+    except (ImportError, AttributeError):  # a torch whose exporter moved: torch.export as the exporter calls it first
+        return torch.export.export(flat, example, dynamic_shapes=dynamic_shapes, strict=False)
+    first: Exception | None = None
+    for strategy in strategies:
+        result = strategy(verbose=False)(flat, example, None, dynamic_shapes)
+        if result.exported_program is not None:
+            return result.exported_program
+        first = first or result.exception
+    assert first is not None
+    raise first
+
+
+def _flat_call(
+    twin: torch.nn.Module,
+    twin_forward: Callable[..., Any],
+    weights: dict[str, torch.Tensor],
+    in_leaves: list[Any],
+    in_spec: pytree.TreeSpec,
+    tensor_positions: list[int],
+    training: bool,
+    dims: list[frozenset[int]] | None,
+) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], Any]:
+    """The flat forward of the call (`_FlatForward`), its example tensors and its dynamic shapes, as traced."""
+    flat = _FlatForward(twin, twin_forward, in_leaves, in_spec, tensor_positions, list(weights)).train(training)
+    # Weights are passed as they are (no copy) unless they are inference tensors, which the exporter cannot take
+    # outside inference mode; tied weights are passed once per name.
+    example = tuple(w.clone() if w.is_inference() else w.detach() for w in weights.values())
+    # Row-major examples: the exporter cannot take every layout (channels-last, transposed views); the graph does not
+    # depend on it, and `cpu_array` feeds the session row-major copies of such inputs.
+    example += tuple(in_leaves[i].clone(memory_format=torch.contiguous_format) for i in tensor_positions)
+    dynamic_shapes = None
+    if dims is not None:
+        auto = torch.export.Dim.AUTO
+        dynamic_shapes = (tuple(None for _ in weights) + tuple({d: auto for d in f} or None for f in dims),)
+    return flat, example, dynamic_shapes
 
 
 def optimized(model: Any, input_names: list[str], output_names: list[str]) -> Any:

@@ -1,6 +1,8 @@
-"""Where a runtime's build gets its ONNX model: the call's layout in the graph (`CallLayout`) and `obtain`, which
-reuses an identical module's export, shares one export among the builds of a tuning, or exports (here, or in the build
-process for background tuning). ONNX Runtime and OpenVINO both build this way, so a block is exported once for both."""
+"""Where a runtime's build gets its model: the call's layout in the graph (`CallLayout`); `obtain`, the ONNX model,
+which reuses an identical module's export, shares one export among the builds of a tuning, or exports (here, or in the
+build process for background tuning); and `obtain_program`, the `torch.export` program the ONNX export is made from
+(OpenVINO's other door: its PyTorch frontend reads it). ONNX Runtime and OpenVINO both build this way, so a block is
+exported once for both, and traced once for both doors."""
 
 from __future__ import annotations
 
@@ -19,9 +21,18 @@ from aitune_hf.backends.onnx.export import (
     exporting,
     named_weights,
     private_twin,
+    trace_flat,
     widest,
 )
-from aitune_hf.backends.onnx.reuse import Skeleton, find_skeleton, keep_skeleton, quietly, sibling_key, skeleton_keys
+from aitune_hf.backends.onnx.reuse import (
+    ProgramSkeleton,
+    Skeleton,
+    find_skeleton,
+    keep_skeleton,
+    quietly,
+    sibling_key,
+    skeleton_keys,
+)
 from aitune_hf.backends.onnx.worker import WorkerBuild
 
 logger = logging.getLogger(__name__)
@@ -161,6 +172,10 @@ def obtain(
     keys = skeleton_keys(owner, module, forward, call_key, opset_version) if reusable else []
     raw: list[Any] | None = [] if keys else None  # a list: `export_flat` keeps the export before its optimizer there
     shared = current_build().shared
+    # The trace (weights baked: the one OpenVINO's PyTorch frontend reads too), shared with the other door's build of
+    # this call in this tuning: whichever builds first traces it.
+    traced: list[Any] | None = [] if shared is not None and not layout.weights else None
+    given = shared.get(("program", call_key)) if traced is not None else None
     proto, how = (shared.get(("onnx_export", call_key)) if shared is not None else None), "shared"
     if proto is None:
         skeleton = find_skeleton(keys)
@@ -178,15 +193,16 @@ def obtain(
         worker = WorkerBuild.run(proto, finish)
     if proto is None:
         with exporting(), torch.inference_mode(False), torch.no_grad():
-            for attempt, dims in enumerate(attempts):
+            for attempt, dims in enumerate(attempts if given is None else [None]):
                 # The exporter swaps the module's parameters for fake tensors while it traces: export a private copy,
                 # so that other threads can keep calling the user's module meanwhile. A fresh copy and fresh example
-                # tensors per attempt: a failed trace leaves symbolic state on them.
-                twin, twin_forward = private_twin(module, forward)
+                # tensors per attempt: a failed trace leaves symbolic state on them. A trace made already needs none.
+                twin, twin_forward = private_twin(module, forward) if given is None else (module, forward)
                 try:
                     program = export_flat(
                         twin, twin_forward, layout.weights, layout.in_leaves, layout.in_spec,
-                        layout.tensor_positions, module.training, dims, layout.names, opset_version, raw,
+                        layout.tensor_positions, module.training, dims, layout.names, opset_version, raw, traced,
+                        given,
                     )  # fmt: skip
                     break
                 except Exception:
@@ -198,8 +214,67 @@ def obtain(
     if exported and shared is not None:  # for the other builds of this call, in this tuning (a fresh export only: a
         # reused one that fails its check is built again afresh, `strategy.try_backend`, and must not be found here)
         shared[("onnx_export", call_key)] = obtained.model_proto
+        if traced and given is None:
+            shared[("program", call_key)] = traced[0]
     if keys and raw:  # this export, for the identical modules to come
         kept = quietly(Skeleton.of, raw[-1], module, (layout.weight_names + layout.input_names, layout.output_names))
         if kept is not None:
             keep_skeleton(keys, kept)
     return obtained
+
+
+#: The owner of kept traces (`ProgramSkeleton`) in `reuse.skeleton_keys`: a trace depends on nothing of the backend that
+#: reads it (no opset, no options), so every build of the call may reuse it.
+_PROGRAM_OWNER = "torch.export program"
+
+
+def obtain_program(
+    layout: CallLayout,
+    module: torch.nn.Module,
+    forward: Callable[..., Any],
+    samples: Sequence[Call],
+    *,
+    reusable: bool,
+    trace: bool = True,
+) -> tuple[Any, str]:
+    """The `torch.export` program of `layout`'s call (weights baked: `layout` has no live weights), as `export_flat`
+    traces it before the ONNX exporter's decompositions, and how it was obtained, once per module state and call in
+    this process where it can be:
+    1. "shared": the trace another build of the same call made in this tuning (the ONNX export's: one trace for both
+       doors), else
+    2. "reused": an identical module's trace with copies of `module`'s weights put in (`reuse.ProgramSkeleton`; only
+       when `reusable`), else
+    3. "export": a trace here, on a private copy of the module, kept for the builds to come; with `trace` False,
+       (None, "") instead (the caller traces elsewhere: in the build process)."""
+    if layout.weights:
+        raise TypeError("a program is traced with its weights baked; this layout feeds them live")
+    call_key = sibling_key(module, layout.in_leaves, layout.in_spec, layout.dynamic)
+    keys = skeleton_keys(_PROGRAM_OWNER, module, forward, call_key, None, form="program") if reusable else []
+    shared = current_build().shared
+    program, how = (shared.get(("program", call_key)) if shared is not None else None), "shared"
+    if program is None:
+        skeleton = find_skeleton(keys)
+        program, how = (quietly(skeleton.fill, module) if skeleton is not None else None), "reused"
+    if program is not None:
+        return program, how
+    if not trace:
+        return None, ""
+    attempts = dynamic_attempts(samples) if layout.dynamic else [None]
+    with exporting(), torch.inference_mode(False), torch.no_grad():
+        for attempt, dims in enumerate(attempts):
+            twin, twin_forward = private_twin(module, forward)  # fresh per attempt, as `obtain`'s
+            try:
+                program = trace_flat(twin, twin_forward, {}, layout.in_leaves, layout.in_spec,
+                                     layout.tensor_positions, module.training, dims)  # fmt: skip
+                break
+            except Exception:
+                if attempt == len(attempts) - 1:
+                    raise
+                logger.debug("trace with dynamic dims %s failed; trying fewer", dims, exc_info=True)
+    if shared is not None:
+        shared[("program", call_key)] = program
+    if keys:
+        kept = quietly(ProgramSkeleton.of, program, module)
+        if kept is not None:
+            keep_skeleton(keys, kept)
+    return program, "export"

@@ -1,6 +1,8 @@
 """One export per module state per process: an export kept without its weights (`Skeleton`) serves later builds of
 identical modules (a sibling block, a second pipeline of the same architecture, a block tuned again after a weight
 edit), which put their own weights in and optimise as the exporter does; the result is byte for byte their own export.
+The same for the trace OpenVINO's PyTorch frontend reads (`ProgramSkeleton`: a `torch.export` program without its
+weights).
 Keys (`skeleton_keys`) say when a kept export fits; the most recent `_SKELETONS_KEPT` are kept; `forget_exports`
 drops them all."""
 
@@ -35,19 +37,21 @@ def skeleton_keys(
     forward: Callable[..., Any],
     call_key: tuple[Any, ...],
     opset_version: int | None,
+    form: str = "onnx",
 ) -> list[tuple[Any, ...]]:
-    """The keys under which this build may find, and keeps, an export without weights (`Skeleton`):
+    """The keys under which this build may find, and keeps, an export without weights (`Skeleton`; with `form`
+    "program", a trace without weights: `ProgramSkeleton`):
     - ("sibling", owner, ...): while the core applies an identical sibling's decision (`BuildContext.sibling`: same
       class, weight shapes and call, which is all the sibling decision promises), from the same backend instance;
     - ("state", ...): when the core gives the module's state digest (`BuildContext.state`: structure, plain values,
       the calls' signature and modes, training) and the forward is the module's own method, whose function is in
       the key (a closure or hook could trace to another graph).
-    The opset is in both; precision and fused kernels are not (they rewrite the export afterwards)."""
+    The opset and the form are in both; precision and fused kernels are not (they rewrite the export afterwards)."""
     build = current_build()
-    keys: list[tuple[Any, ...]] = [("sibling", owner, opset_version, call_key)]
+    keys: list[tuple[Any, ...]] = [("sibling", owner, opset_version, call_key, form)]
     function = getattr(forward, "__func__", None)
     if build.state is not None and function is not None and getattr(forward, "__self__", None) is module:
-        keys.append(("state", opset_version, build.state(), call_key, function))
+        keys.append(("state", opset_version, build.state(), call_key, function, form))
     return keys
 
 
@@ -58,7 +62,7 @@ def forget_exports() -> None:
         _skeletons.clear()
 
 
-def find_skeleton(keys: list[tuple[Any, ...]]) -> Skeleton | None:
+def find_skeleton(keys: list[tuple[Any, ...]]) -> Any:
     """The kept export under the first key that has one; a sibling's only while the core applies its decision."""
     sibling = current_build().sibling
     with _skeletons_lock:
@@ -72,7 +76,7 @@ def find_skeleton(keys: list[tuple[Any, ...]]) -> Skeleton | None:
     return None
 
 
-def keep_skeleton(keys: list[tuple[Any, ...]], skeleton: Skeleton) -> None:
+def keep_skeleton(keys: list[tuple[Any, ...]], skeleton: Skeleton | ProgramSkeleton) -> None:
     with _skeletons_lock:
         for key in keys:
             _skeletons[key] = skeleton
@@ -134,3 +138,54 @@ class Skeleton:
             init, value = proto.graph.initializer[index], weights[name].detach().cpu().numpy()
             init.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), init.name))
         return ir.serde.serialize_model(optimized(ir.serde.deserialize_model(proto), *self.names))
+
+
+class ProgramSkeleton:
+    """A `torch.export` program of a flat call (`export.trace_flat`) with the module's weights taken out (meta tensors
+    of their shapes): `fill` puts another module's weights in, by name, and gives the program tracing that module would
+    give (its graph depends on the weights' shapes and the module's state, which the keys hold, not on their values).
+    Weights are the module's parameters and buffers (non-persistent ones among the program's constants); a tensor the
+    trace lifted as a constant of its own stays as traced."""
+
+    def __init__(self, program: Any, weights: dict[str, str]) -> None:
+        #: The program, weights stripped; its weights' keys (in the state dict or the constants) -> the module's names.
+        self.program, self.weights = program, weights
+
+    @classmethod
+    def of(cls, program: Any, module: torch.nn.Module) -> ProgramSkeleton:
+        """The skeleton of `program`, traced from `module` (held as `module` by the flat forward)."""
+        names = named_weights(module)
+        weights = {key: key.removeprefix("module.") for key in [*program.state_dict, *program.constants]
+                   if key.removeprefix("module.") in names}  # fmt: skip
+        return cls(_program_with(program, {key: None for key in weights}), weights)
+
+    def fill(self, module: torch.nn.Module) -> Any:
+        """A program for `module`: this skeleton with copies of `module`'s weights (never the live tensors: a runtime
+        may keep what it reads)."""
+        names = named_weights(module)
+        return _program_with(self.program, {key: names[name].detach().clone() for key, name in self.weights.items()})
+
+
+def _program_with(program: Any, values: dict[str, torch.Tensor | None]) -> Any:
+    """`program` with the state dict and constant entries in `values` replaced (None: a meta tensor of the same shape);
+    the graph is shared, never changed."""
+    from torch.export import ExportedProgram
+
+    def replaced(key: str, old: torch.Tensor) -> torch.Tensor:
+        if key not in values:
+            return old
+        new = values[key]
+        new = torch.empty_like(old, device="meta") if new is None else new
+        return torch.nn.Parameter(new, requires_grad=False) if isinstance(old, torch.nn.Parameter) else new
+
+    return ExportedProgram(
+        program.graph_module,
+        program.graph,
+        program.graph_signature,
+        {key: replaced(key, value) for key, value in program.state_dict.items()},
+        program.range_constraints,
+        program.module_call_graph,
+        program.example_inputs,
+        constants={key: replaced(key, value) for key, value in program.constants.items()},
+        verifiers=program.verifiers,
+    )

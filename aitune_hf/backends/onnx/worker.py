@@ -1,5 +1,6 @@
 """The heavy steps of a background build in the build process (`backends/base.py`: `run_in_build_process`): the export,
-and a runtime's own steps on the model (`finish`: ONNX Runtime's fusions, int8 quantization and graph optimisation).
+and a runtime's own steps on the model (`finish`: ONNX Runtime's fusions, int8 quantization and graph optimisation); or
+the trace alone, with a runtime's steps on it (`WorkerBuild.trace`: OpenVINO's PyTorch frontend converting it).
 
 What stays in the serving process: the private copy (a deep copy, as without the build process) and its pickling,
 reading the exported model back (for another precision's build, and the export before onnxscript's optimizer for
@@ -24,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from aitune_hf.backends.base import run_in_build_process
-from aitune_hf.backends.onnx.export import export_flat, exporting, private_twin
+from aitune_hf.backends.onnx.export import export_flat, exporting, private_twin, trace_flat
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,36 @@ class WorkerBuild:
     ) -> WorkerBuild | None:
         """Export (the first of `attempts` that traces), then `finish`: all in the build process; `raw`: keep the export
         before onnxscript's optimizer too (`raw_proto`, for `reuse.Skeleton`)."""
+        job = cls._job(module, forward, layout, attempts, opset_version, raw)
+        return cls._call(job, None, finish) if job is not None else None
+
+    @classmethod
+    def trace(
+        cls,
+        module: torch.nn.Module,
+        forward: Callable[..., Any],
+        layout: Layout,
+        attempts: list[list[frozenset[int]] | None],
+        finish: Finish,
+    ) -> WorkerBuild | None:
+        """Trace the call (`export.trace_flat`, the first of `attempts` that traces: the program OpenVINO's PyTorch
+        frontend reads), then `finish(folder, program, *args)`: all in the build process. No ONNX model is made."""
+        job = cls._job(module, forward, layout, attempts, None, raw=False)
+        if job is None:
+            return None
+        return cls._call({**job, "form": "program"}, None, finish)
+
+    @classmethod
+    def _job(
+        cls,
+        module: torch.nn.Module,
+        forward: Callable[..., Any],
+        layout: Layout,
+        attempts: list[list[frozenset[int]] | None],
+        opset_version: int | None,
+        raw: bool,
+    ) -> dict[str, Any] | None:
+        """What the build process needs to trace the call (a pickled private copy), or None when it cannot go there."""
         try:
             twin, twin_forward = private_twin(module, forward)
             # The forward's function, not the bound method: a bound method pickles by attribute name, which on the
@@ -82,7 +113,7 @@ class WorkerBuild:
         except Exception:
             logger.debug("aitune_hf: the block cannot go to the build process; exporting here", exc_info=True)
             return None
-        job = {
+        return {
             "payload": payload,
             "spec": layout.in_spec,
             "tensor_positions": layout.tensor_positions,
@@ -92,7 +123,6 @@ class WorkerBuild:
             "opset_version": opset_version,
             "raw": raw,
         }
-        return cls._call(job, None, finish)
 
     @classmethod
     def run(cls, source: Any, finish: Finish) -> WorkerBuild | None:
@@ -140,6 +170,22 @@ def build_in_worker(
 
     directory = Path(folder)
     made: dict[str, Any] = {"pid": os.getpid(), "export": None}
+    if job is not None and job.get("form") == "program":  # the trace alone, handed to `finish` (`WorkerBuild.trace`)
+        assert finish is not None
+        program = None
+        with exporting(), torch.inference_mode(False), torch.no_grad():
+            for attempt, dims in enumerate(job["attempts"]):
+                twin, function, weights, in_leaves = pickle.loads(job["payload"])
+                try:
+                    program = trace_flat(twin, types.MethodType(function, twin), weights, in_leaves, job["spec"],
+                                         job["tensor_positions"], job["training"], dims)  # fmt: skip
+                    break
+                except Exception:
+                    if attempt == len(job["attempts"]) - 1:
+                        raise
+        fn, args = finish
+        made.update(fn(directory, program, *args))
+        return made
     if job is not None:
         attempts = job["attempts"]
         with exporting(), torch.inference_mode(False), torch.no_grad():
