@@ -62,6 +62,9 @@ class BuiltBackend:
     #: and takes the output only where the guard holds (else it cancels the call): `Target.call`, and
     #: `TuningJob.serving` as timed.
     start: Callable[..., Started] | None = None
+    #: What the build computes otherwise than its backend's name says, for the report (an int8 build whose runtime
+    #: keeps some layers in a float precision on this CPU: which ones); None: nothing to say.
+    note: str | None = None
 
 
 class Started(Protocol):
@@ -164,6 +167,13 @@ class Backend(abc.ABC):
         variant. The variant's `describe()` names the precision."""
         return self if precision == self.precision else None
 
+    def variants(self) -> list[Backend]:
+        """Other forms of this backend in the same precision, each a candidate of its own in every tuning, whatever the
+        precision asked for (new instances, each `describe()` naming its form): OpenVINO's second door, its PyTorch
+        frontend (`OpenVinoBackend(door=...)`). Reduced-precision variants (`with_precision`) are made of each of
+        them. Default: none."""
+        return []
+
     def kernel_variants(self) -> list[Backend]:
         """Other kernel choices of this backend in the same precision (new instances, each `describe()` naming its
         choice), which `TuningConfig(precision="auto")` offers beside it: ONNX Runtime's fused kernels
@@ -173,6 +183,12 @@ class Backend(abc.ABC):
 
     def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
         """Why this backend cannot run on `devices`, or None when it can."""
+        return None
+
+    def cannot_win(self, timed: Sequence[tuple[str, str, float | None]]) -> str | None:
+        """Why this candidate is not worth building for a target where `timed` was measured (each candidate timed there:
+        its `describe()`, precision and speed-up over eager), or None: an evidence rule, asked by the search after a
+        first plan (`core/refine.py`) before it builds this candidate; the report keeps the reason. Default: None."""
         return None
 
     def prepare(self) -> None:

@@ -1,6 +1,7 @@
-"""OpenVINO: the block's ONNX export (`backends/onnx/`, the one ONNX Runtime reads: a block tuned with both runtimes is
-exported once) read by OpenVINO and compiled for the CPU, in an explicit precision, one compiled model per shape
-family, one infer request per calling thread."""
+"""OpenVINO: a block or component compiled for the CPU through either door, each a candidate of its own: its ONNX
+export (`backends/onnx/`, the one ONNX Runtime reads) read back, or the `torch.export` program that export is made from,
+through OpenVINO's PyTorch frontend (one trace for both doors: whichever builds first traces it). In an explicit
+precision, one compiled model per shape family, one infer request per calling thread."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import importlib.util
 import io
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,16 @@ import torch
 import torch.utils._pytree as pytree
 
 from aitune_hf.backends.base import Backend, BuiltBackend, Call, current_build, installed_version, register_backend
-from aitune_hf.backends.onnx.export import EXPORT_REVISION, cpu_array, leaves_into, needs_external_data
-from aitune_hf.backends.onnx.model import CallLayout, obtain
+from aitune_hf.backends.onnx.export import (
+    EXPORT_REVISION,
+    cpu_array,
+    dynamic_attempts,
+    leaves_into,
+    needs_external_data,
+)
+from aitune_hf.backends.onnx.model import CallLayout, obtain, obtain_program
+from aitune_hf.backends.onnx.reuse import sibling_key
+from aitune_hf.backends.onnx.worker import WorkerBuild
 from aitune_hf.errors import CandidateUnavailable, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -33,8 +42,14 @@ _HINTS = {"fp32": "f32", "bf16": "bf16", "int8": None}
 _INT8_GROUP = 32
 #: The revision of what a build makes of the export, in every cache key (beside the export's own, `EXPORT_REVISION`): a
 #: compiled model cached before a build changed what it computes or holds is not imported. 1: the masked attention's
-#: fully masked rows (now the export's); 2: a specialization to the most common shape (`_specialized`).
-_REVISION = "2"
+#: fully masked rows (now the export's); 2: a specialization to the most common shape (`_specialized`); 3: the door
+#: through OpenVINO's PyTorch frontend, with its attention's fully masked rows zeroed (`_zero_rows_that_see_no_key`).
+_REVISION = "3"
+#: The doors a model takes into OpenVINO (`OpenVinoBackend(door=...)`): its ONNX export read back, or its torch.export
+#: program through OpenVINO's PyTorch frontend. Neither wins everywhere (docs/backends.md, "The two doors"): the whole
+#: MiniLM's attention stayed unfused read from the ONNX export on an Intel Xeon with AMX (bf16 at batch 1 2.7x slower
+#: than `ov.convert_model`'s), while the SD UNet ran fastest from it (bf16 5.17x eager, 2.04x through torch.export).
+DOORS = ("onnx", "torch.export")
 #: The compiled models' file names inside an artifact folder (`CompiledModel.export_model`): the shape family's, and its
 #: specialization to the most common shape where the build made one.
 _BLOB_FILES = ("model.ov.blob", "model.static.ov.blob")
@@ -84,6 +99,7 @@ class OpenVinoBackend(Backend):
         num_threads: int | None = None,
         opset_version: int | None = None,
         specialize: bool = True,
+        door: str | None = None,
     ) -> None:
         if importlib.util.find_spec("openvino") is None:
             raise ConfigError(f"the openvino backend needs OpenVINO, which is not installed ({INSTALL_HINT})")
@@ -98,24 +114,44 @@ class OpenVinoBackend(Backend):
             )
         if not isinstance(specialize, bool):
             raise ConfigError(f"OpenVinoBackend: specialize={specialize!r} is not valid; valid values: True, False")
+        if door is not None and door not in DOORS:
+            raise ConfigError(
+                f"OpenVinoBackend: door={door!r} is not valid; valid values: None (both, each a candidate), "
+                f"{', '.join(map(repr, DOORS))}"
+            )
         self.precision = precision
         self.num_threads = num_threads
         self.opset_version = opset_version
         self.specialize = specialize
+        #: The door asked for; None: both, each a candidate of its own (this instance builds through the ONNX export,
+        #: `variants()` brings the other).
+        self.door = door
         #: In the keys of this instance's sibling exports (`onnx.reuse.skeleton_keys`), as for ONNX Runtime.
         self._own = object()
+
+    @property
+    def through(self) -> str:
+        """The door this instance builds through (`DOORS`)."""
+        return self.door or DOORS[0]
+
+    def _with(self, precision: str, door: str | None) -> OpenVinoBackend:
+        return OpenVinoBackend(precision, self.num_threads, self.opset_version, self.specialize, door)
 
     def with_precision(self, precision: str) -> OpenVinoBackend | None:
         if precision == self.precision:
             return self
         if precision not in _HINTS:
             return None
-        return OpenVinoBackend(precision, self.num_threads, self.opset_version, self.specialize)
+        return self._with(precision, self.door)
+
+    def variants(self) -> list[Backend]:
+        """With no door asked for, the other door (`DOORS`): a candidate of its own, in every precision."""
+        return [] if self.door is not None else [self._with(self.precision, door) for door in DOORS[1:]]
 
     def describe(self) -> str:
-        options = [f"precision={self.precision}"] if self.precision != "fp32" else []
+        options = [f"door={self.through}"] + ([f"precision={self.precision}"] if self.precision != "fp32" else [])
         options += [] if self.specialize else ["specialize=False"]
-        return f"{self.name}({', '.join(options)})" if options else self.name
+        return f"{self.name}({', '.join(options)})"
 
     @classmethod
     def versions(cls) -> dict[str, str | None]:
@@ -154,10 +190,10 @@ class OpenVinoBackend(Backend):
     def build(
         self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call], dynamic: bool = False
     ) -> BuiltBackend:
-        """Obtain the export (reused, shared with the other ONNX runtime's build of this call, or made: in the build
-        process for background tuning), read it and compile it; or import the compiled model from the cache."""
+        """Obtain the model through this instance's door (`_through_onnx`, `_through_program`), compile it; or import
+        the compiled model from the cache."""
         layout = CallLayout.of(module, forward, samples, dynamic, live=False)
-        if needs_external_data(module):
+        if self.through == "onnx" and needs_external_data(module):
             raise CandidateUnavailable("this block's weights pass protobuf's 2 GB limit, which the ONNX export keeps")
         place = current_build().place
         cached = place.load(self, True) if place is not None else None
@@ -170,20 +206,14 @@ class OpenVinoBackend(Backend):
                 logger.warning("aitune_hf: a cached OpenVINO model could not be loaded (%s); compiling afresh", error)
                 cached = None
         if cached is None:
-            obtained = obtain(
-                layout, module, forward, samples, owner=self._own, opset_version=self.opset_version, reusable=True,
-                offload=current_build().private_only,
-            )  # fmt: skip
-            if obtained.worker is not None:
-                obtained.worker.remove()  # the export is read back already (`obtained.proto`)
-            model = _core().read_model(io.BytesIO(obtained.model_proto.SerializeToString()))
-            if self.precision == "int8" and not _compress_int8(model):
+            read = self._through_onnx if self.through == "onnx" else self._through_program
+            model, source = read(layout, module, forward, samples)
+            if self.precision == "int8" and not (linear := _compress_int8(model, module)):
                 raise CandidateUnavailable("no linear layer with constant weights: nothing here computes in int8")
             models = [_core().compile_model(model, "CPU", config)]
             hot = _most_calls_shape(layout, samples) if dynamic and self.specialize else None
             if hot is not None and (static := _specialized(model, hot, config)) is not None:
                 models.append(static)
-            source = obtained.how
         for compiled in models:
             _check_precision(compiled, config["INFERENCE_PRECISION_HINT"])
         artifacts: list[Path] = []
@@ -195,8 +225,11 @@ class OpenVinoBackend(Backend):
                 (folder / _BLOB_FILES[index]).write_bytes(blob.getvalue())
             artifacts = [folder]
         runner = _InferRunner(models, layout, source)
+        if self.precision == "int8":
+            runner.int8_layers = _int8_layers(models[0], linear if cached is None else {})
         return BuiltBackend(
             fn=runner,
+            note=_int8_note(runner.int8_layers) if self.precision == "int8" else None,
             bakes_weights=True,
             artifacts=artifacts,
             dynamic_dims=runner.free_dims() if dynamic else None,
@@ -204,6 +237,143 @@ class OpenVinoBackend(Backend):
             reused=source == "reused",
             start=runner.start,
         )
+
+    def _through_onnx(
+        self, layout: CallLayout, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]
+    ) -> tuple[Any, str]:
+        """The door through the ONNX export: the export obtained (`onnx.model.obtain`: shared, reused, made in the
+        build process for background tuning, or here), read by OpenVINO's ONNX frontend."""
+        obtained = obtain(
+            layout, module, forward, samples, owner=self._own, opset_version=self.opset_version, reusable=True,
+            offload=current_build().private_only,
+        )  # fmt: skip
+        if obtained.worker is not None:
+            obtained.worker.remove()  # the export is read back already (`obtained.proto`)
+        return _core().read_model(io.BytesIO(obtained.model_proto.SerializeToString())), obtained.how
+
+    def _through_program(
+        self, layout: CallLayout, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]
+    ) -> tuple[Any, str]:
+        """The door through OpenVINO's PyTorch frontend: the call's `torch.export` program (`onnx.model.
+        obtain_program`: the ONNX export's own trace where that build came first, an identical module's with these
+        weights, or traced here) converted by `openvino.convert_model`, inputs and outputs named as the export names
+        them. For background tuning the trace and conversion run in the build process (`WorkerBuild.trace`), and
+        this process reads the converted model."""
+        names = (layout.input_names, layout.output_names)
+        build = current_build()
+        # One conversion per call in a tuning: each precision's build starts from a copy of it (int8 compresses its
+        # copy's weights).
+        key = ("openvino converted", sibling_key(module, layout.in_leaves, layout.in_spec, layout.dynamic))
+        if build.shared is not None and key in build.shared:
+            return build.shared[key].clone(), "shared"
+        program, how = obtain_program(layout, module, forward, samples, reusable=True, trace=not build.private_only)
+        model = None
+        if program is not None:
+            model = _converted(program, *names)
+        elif layout.device.type == "cpu":  # background tuning, nothing traced yet: trace and convert elsewhere
+            attempts = dynamic_attempts(samples) if layout.dynamic else [None]
+            worker = WorkerBuild.trace(module, forward, layout, attempts, (_convert_in_worker, names))
+            if worker is not None:
+                try:
+                    xml, weights = Path(worker.made["xml"]), Path(worker.made["bin"])
+                    model, how = _core().read_model(xml.read_bytes(), _weights_tensor(weights.read_bytes())), "export"
+                finally:
+                    worker.remove()
+        if model is None:  # the block cannot go to the build process: here, as in the foreground
+            program, how = obtain_program(layout, module, forward, samples, reusable=True)
+            model = _converted(program, *names)
+        if build.shared is not None:
+            build.shared[key] = model.clone()
+        return model, how
+
+
+def _converted(program: Any, input_names: list[str], output_names: list[str]) -> Any:
+    """`program` (a flat call's trace, `onnx.export.trace_flat`) converted by OpenVINO's PyTorch frontend, its weights
+    copied (never shared with the tensors it was traced with), its ports named as the ONNX export names them
+    (`CallLayout.input_names`, `output_names`: the runner feeds and reads by name), and its attention's fully masked
+    rows zeroed as torch zeroes them (`_zero_rows_that_see_no_key`)."""
+    import openvino
+
+    with _root_logger_kept():
+        model = openvino.convert_model(program, share_weights=False)
+    # The flat forward takes `*tensors`: its trace's inputs are `tensors_0`, `tensors_1`, ... in the call's order.
+    by_name = {name: port for port in model.inputs for name in port.get_names()}
+    for index, name in enumerate(input_names):
+        port = by_name.get(f"tensors_{index}")
+        if port is not None:  # an input the graph does not read may be gone, as from the ONNX export
+            port.get_tensor().set_names({name})
+    if len(model.outputs) != len(output_names):
+        raise CandidateUnavailable(
+            f"OpenVINO's PyTorch frontend made {len(model.outputs)} outputs of a call that returns {len(output_names)}"
+        )
+    for port, name in zip(model.outputs, output_names, strict=True):
+        port.get_tensor().set_names({name})
+    _zero_rows_that_see_no_key(model)
+    return model
+
+
+@contextlib.contextmanager
+def _root_logger_kept() -> Iterator[None]:
+    """The root logger as it was, after `openvino.convert_model`: it sets the root logger's level to ERROR and adds a
+    filter and a handler to it, and puts them back only when it converts (2026.4.1: a conversion that raises leaves
+    them changed, and every record below ERROR of every library dropped)."""
+    root = logging.getLogger()
+    level, filters, handlers = root.level, list(root.filters), list(root.handlers)
+    try:
+        yield
+    finally:
+        if (root.level, root.filters, root.handlers) != (level, filters, handlers):
+            root.setLevel(level)
+            root.filters[:], root.handlers[:] = filters, handlers
+
+
+def _convert_in_worker(folder: Path, program: Any, input_names: list[str], output_names: list[str]) -> dict[str, str]:
+    """In the build process (`WorkerBuild.trace`): `_converted`, saved as OpenVINO's IR (weights kept in f32)."""
+    import openvino
+
+    xml = folder / "model.xml"
+    openvino.save_model(_converted(program, input_names, output_names), str(xml), compress_to_fp16=False)
+    return {"xml": str(xml), "bin": str(xml.with_suffix(".bin"))}
+
+
+def _weights_tensor(data: bytes) -> Any:
+    """An IR's weights, read into memory (not mapped from a file the build process's folder holds)."""
+    import numpy as np
+    import openvino
+
+    return openvino.Tensor(np.frombuffer(data, dtype=np.uint8).copy())
+
+
+def _zero_rows_that_see_no_key(model: Any) -> int:
+    """Give a query that sees no key zeros, as torch does, in every attention with a boolean mask that OpenVINO's
+    PyTorch frontend made (`ScaledDotProductAttention` with a boolean mask input); returns how many it corrected.
+
+    OpenVINO computes such a row's softmax over no key, which is NaN (torch: zeros, the pad positions of a left-padded
+    causal batch): seen as NaN rows on a boolean-mask attention. Its output is kept where the mask's row holds a True
+    (`ReduceLogicalOr` over the keys) and zeroed elsewhere; the attention itself stays one fused kernel. The ONNX export
+    gets the same correction (`onnx.export.zero_rows_that_see_no_key`)."""
+    import numpy as np
+    import openvino
+    from openvino import opset13 as ops
+
+    corrected = 0
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "ScaledDotProductAttention" or node.get_input_size() < 4:
+            continue
+        mask = node.input_value(3)
+        if mask.get_element_type() != openvino.Type.boolean:
+            continue
+        attended = node.output(0)
+        users = list(attended.get_target_inputs())
+        any_key = ops.reduce_logical_or(mask, ops.constant(np.array([-1], dtype=np.int64)), keep_dims=True)
+        zero = ops.constant(np.zeros((), dtype=attended.get_element_type().to_dtype()))
+        zeroed = ops.select(any_key, attended, zero)
+        for user in users:
+            user.replace_source_output(zeroed.output(0))
+        corrected += 1
+    if corrected:
+        model.validate_nodes_and_infer_types()
+    return corrected
 
 
 def _int8_rest() -> str:
@@ -232,16 +402,24 @@ def _most_calls_shape(layout: CallLayout, samples: Sequence[Call]) -> dict[str, 
     return dict(zip(layout.input_positions, shapes, strict=True)) if 2 * count >= len(samples) else None
 
 
-def _compress_int8(model: Any) -> int:
+def _compress_int8(model: Any, module: torch.nn.Module) -> dict[str, str]:
     """Store the constant weights of `model`'s 2-D MatMuls (linear layers; the export's Gemm reads back as MatMul) as
     int8, symmetric per output channel (f32 activations only), in the form OpenVINO's CPU plugin takes for compressed
-    weights (an int8 constant, a Convert, a Multiply by the scales, in the `transpose_b` layout); returns how many it
-    compressed. Weights reached through a Transpose or a Convert of a constant (the export's transposed Linear weights)
-    are read through them. Convolutions and attention's MatMuls of two activations stay as they are."""
+    weights (an int8 constant, a Convert, a Multiply by the scales, in the `transpose_b` layout); returns the layers it
+    compressed: the names its runtime layer may take in `model` (its MatMul's, its bias Add's) -> the `module` layer
+    whose weight it holds ("layer.attention.self.query", found by value; the MatMul's own name where none matches).
+    Weights reached through a Transpose or a Convert of a constant (the export's transposed Linear weights) are read
+    through them. Convolutions and attention's MatMuls of two activations stay as they are."""
     import numpy as np
     from openvino import opset13 as ops
 
-    compressed = 0
+    # The module's linear weights by value, (out, in) as a Linear holds them: what names a compressed layer.
+    owners = {
+        (tuple(tensor.shape), tensor.detach().float().cpu().numpy().tobytes()): name.removesuffix(".weight")
+        for name, tensor in module.named_parameters()
+        if tensor.dim() == 2 and tensor.is_floating_point()
+    }
+    compressed: dict[str, str] = {}
     for node in model.get_ordered_ops():
         if node.get_type_name() != "MatMul":
             continue
@@ -261,10 +439,46 @@ def _compress_int8(model: Any) -> int:
         replacement.set_friendly_name(node.get_friendly_name())
         replacement.output(0).get_tensor().set_names(node.output(0).get_names())
         node.output(0).replace(replacement.output(0))
-        compressed += 1
+        # The runtime layer it becomes (a FullyConnected) is named after the MatMul, or after the Add of its bias where
+        # the plugin fuses that in: both name it (`_int8_layers`).
+        name = owners.get((rows.shape, rows.tobytes()), node.get_friendly_name())
+        compressed[node.get_friendly_name()] = name
+        for user in replacement.output(0).get_target_inputs():
+            if user.get_node().get_type_name() == "Add":
+                compressed[user.get_node().get_friendly_name()] = name
     if compressed:
         model.validate_nodes_and_infer_types()
     return compressed
+
+
+def _int8_layers(compiled: Any, compressed: dict[str, str]) -> dict[str, str]:
+    """The precision each linear layer of an int8 build computes in, as OpenVINO's CPU plugin runs it (its runtime
+    model's `FullyConnected` layers: "i8", or a float precision it kept the layer in), by the name `_compress_int8` gave
+    it (the runtime layer's own name for a build imported from the cache)."""
+    layers = {}
+    for op in compiled.get_runtime_model().get_ops():
+        info = op.get_rt_info()
+        if info["layerType"].astype(str) != "FullyConnected":
+            continue
+        originals = info["originalLayersNames"].astype(str).split(",")
+        name = next((compressed[o] for o in originals if o in compressed), op.get_friendly_name())
+        layers[name] = info["runtimePrecision"].astype(str)
+    return layers
+
+
+def _int8_note(layers: dict[str, str]) -> str | None:
+    """What an int8 build computes in int8 where OpenVINO's CPU plugin keeps some linear layers in a float precision
+    (on an Intel Xeon with AMX it kept a BERT layer's query, key, value and attention-output projections in bf16, its
+    two MLP layers in int8); None where every one computes in int8."""
+    kept = {name: precision for name, precision in layers.items() if precision != "i8"}
+    if not kept:
+        return None
+    by_precision: dict[str, list[str]] = {}
+    for name, precision in kept.items():
+        by_precision.setdefault(precision, []).append(name)
+    where = "; ".join(f"{precision}: {', '.join(names)}" for precision, names in sorted(by_precision.items()))
+    return (f"int8 in {len(layers) - len(kept)} of {len(layers)} linear layers; OpenVINO keeps {len(kept)} in a float "
+            f"precision on this CPU ({where})")  # fmt: skip
 
 
 def _constant_value(node: Any) -> Any:
@@ -359,6 +573,8 @@ class _InferRunner:
             port.get_any_name(): tuple(port.get_shape()) for port in getattr(self.specialized, "inputs", ())
         }
         self._local = threading.local()
+        #: For an int8 build: the precision each linear layer computes in, by name (`_int8_layers`); else empty.
+        self.int8_layers: dict[str, str] = {}
 
     def precision(self) -> str:
         return str(self.compiled.get_property("INFERENCE_PRECISION_HINT"))

@@ -50,21 +50,26 @@ def with_precisions(
     backends: Sequence[Backend], config: TuningConfig, devices: frozenset[torch.device]
 ) -> tuple[list[Backend], list[tuple[str, str]]]:
     """The candidates for `config.precision` on `devices`: each backend in each precision asked for that the machine
-    computes natively and the backend has a variant for, fp32 first; and (precision, why it is skipped) for each
-    precision asked for that this machine does not compute natively. With "fp32" (the default): `backends` as given.
+    computes natively and the backend has a variant for, least reduced first (fp32 first); and (precision, why it is
+    skipped) for each precision asked for that this machine does not compute natively. With "fp32" (the default):
+    `backends` as given.
 
     With "auto" each fp32 candidate also brings its other kernel choices (`Backend.kernel_variants`: ONNX Runtime's
     fused kernels), which compute in fp32 and are checked by fp32 tolerances; a list of precisions (["fp32", "int8"])
     names exactly what is tried and brings none (give `OnnxRuntimeBackend(kernels="fused")` in `backends` for it).
-    A candidate is offered once, by `describe()`."""
+    Each backend's other forms (`Backend.variants`: OpenVINO's second door) are candidates of their own in every
+    tuning, in each of these precisions. A candidate is offered once, by `describe()`."""
+    backends = list({form.describe(): form for backend in backends for form in (backend, *backend.variants())}.values())
     if not config.reduced:
-        return list(backends), []
+        return backends, []
     precisions = config.precisions
     skipped = [(p, reason) for p in precisions if p != "fp32" and (reason := native_reason(p, devices)) is not None]
     native = [p for p in precisions if p not in dict(skipped)]
     candidates: dict[str, Backend] = {}  # by `describe()`: a variant also given explicitly is tried once
-    for backend in backends:
-        for precision in native:
+    # Precision by precision, least reduced first (each backend in the order given): the first plan of an anytime
+    # tuning is then the least reduced one that wins clearly, the likeliest to pass the end-to-end gate.
+    for precision in sorted(native, key=lambda p: _REDUCTION[p]):
+        for backend in backends:
             variant = backend.with_precision(precision)
             if variant is None:
                 continue

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from aitune_hf import TargetState, register
+from aitune_hf.backends import Backend, get_backend
 from tests.core.modules import MLPBlock
 from tests.quick import ORT
 
@@ -76,20 +77,27 @@ def _dropout_blocks() -> nn.Sequential:
     return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)) for _ in range(2)]).eval()
 
 
+def _openvino_through(door: str) -> Backend:
+    from aitune_hf.backends.openvino import OpenVinoBackend
+
+    return OpenVinoBackend(door=door)
+
+
 @pytest.mark.parametrize(
     "backend",
     [
         "onnxruntime",
         # OpenVINO starts a served call before the guard is checked: in training mode the guard fails and that call
         # is cancelled, never returned.
-        pytest.param("openvino", marks=pytest.mark.skipif(
+        pytest.param("openvino(door=onnx)", marks=pytest.mark.skipif(
             importlib.util.find_spec("openvino") is None, reason="the openvino extra is not installed")),
     ],
 )  # fmt: skip
 def test_training_mode_runs_eager_never_tunes_and_eval_serves_again(backend: str) -> None:
     blocks = _dropout_blocks()
     x = torch.randn(3, 16)
-    registration = register(blocks, {**ORT, "backends": [backend]})
+    candidate = get_backend(backend.split("(")[0]) if "(" not in backend else _openvino_through("onnx")
+    registration = register(blocks, {**ORT, "backends": [candidate]})
     with torch.no_grad():
         blocks(x)
         registration.tune()
