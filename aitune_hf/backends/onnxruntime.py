@@ -185,6 +185,21 @@ class OnnxRuntimeBackend(Backend):
         """The fused-kernel variant of a plain build (`kernels="fused"`), same options and precision."""
         return [self._variant(kernels="fused")] if self.kernels == "default" else []
 
+    def cannot_win(self, timed: Sequence[tuple[str, str, float | None]]) -> str | None:
+        """The int8 variant, where OpenVINO's int8 was timed on the same target: ONNX Runtime's int8 (dynamic
+        quantization: MatMulInteger with the activations quantized per call, the rest in fp32) was no faster than
+        OpenVINO's int8 on any workload measured on this project's CPUs, and its build is the slowest of the cheap ones
+        (a whole MiniLM: 8-21 s of quantization, then lost to OpenVINO int8)."""
+        if self.precision != "int8":
+            return None
+        openvino = [(name, speedup) for name, precision, speedup in timed
+                    if name.startswith("openvino") and precision == "int8" and speedup is not None]  # fmt: skip
+        if not openvino:
+            return None
+        name, speedup = max(openvino, key=lambda item: item[1])
+        return (f"{name} was timed here at {speedup:.2f}x: ONNX Runtime's int8 was no faster than OpenVINO's on the "
+                "workloads measured, and builds slowest")  # fmt: skip
+
     def _variant(self, **changes: Any) -> OnnxRuntimeBackend:
         """A new instance with this one's options and `changes`."""
         options = dict(

@@ -108,13 +108,17 @@ class Tunable(Protocol):
 
 @dataclass(eq=False)
 class _Job:
-    """One piece of work for the worker: a target's tuning, or a check of a whole call (`hf/gate.py`)."""
+    """One piece of work for the worker: a target's tuning, a check of a whole call (`hf/gate.py`), or the search after
+    a first plan (`core/refine.py`)."""
 
     name: str
     run: Callable[[], None]
     key: Any  # queued at most once per key (a target; a check's key, or the job itself)
     tuning: bool
     dropped: Callable[[], None] | None = None  # what a check that never ran undoes
+    #: A search after a first plan: it yields as a tuning does (its heavy steps run in the build process where they
+    #: can), never dropped for the checks' bound.
+    search: bool = False
 
 
 class BackgroundTuner:
@@ -180,11 +184,16 @@ class BackgroundTuner:
         then `dropped()` runs here and False is returned."""
         job = _Job(name, run, key if key is not None else object(), tuning=False, dropped=dropped)
         with self._condition:
-            full = sum(not queued.tuning for queued in self._queue) >= MAX_CHECKS
+            full = sum(not queued.tuning and not queued.search for queued in self._queue) >= MAX_CHECKS
         if full or not self._submit(job):
             dropped()
             return False
         return True
+
+    def submit_search(self, name: str, run: Callable[[], None], key: Any) -> None:
+        """Queue the search after a first plan (`run`), once per `key`; returns at once. Searches are never dropped
+        for the checks' bound (`MAX_CHECKS`)."""
+        self._submit(_Job(name, run, key, tuning=False, search=True))
 
     def _submit(self, job: _Job) -> bool:
         with self._condition:
@@ -212,7 +221,9 @@ class BackgroundTuner:
             return {
                 "pending": len(self._queue) + (running is not None),
                 "tuning": running.name if running is not None and running.tuning else None,
-                "checks": sum(not job.tuning for job in self._queue) + (running is not None and not running.tuning),
+                "checks": sum(not job.tuning and not job.search for job in self._queue)
+                + (running is not None and not running.tuning and not running.search),
+                "searches": sum(job.search for job in self._queue) + (running is not None and running.search),
                 "afresh": self.afresh,
                 "tuned": self.tuned,
             }
@@ -254,11 +265,12 @@ class BackgroundTuner:
                 job = self._running = self._queue.popleft()
             # This thread only. A check pauses while callers are served (it replays whole calls: as heavy as theirs);
             # a tuning only yields, as it did (its export and builds are measured under traffic, docs/serving.md).
-            sys.setprofile(_yielding_hook(self._busy if not job.tuning else lambda: False))
+            sys.setprofile(_yielding_hook(self._busy if not job.tuning and not job.search else lambda: False))
             try:
                 job.run()
             except BaseException:  # contained in the target already; never let the worker die silently
-                logger.exception("aitune_hf: background %s of %s failed", "tuning" if job.tuning else "check", job.name)
+                kind = "tuning" if job.tuning else "search" if job.search else "check"
+                logger.exception("aitune_hf: background %s of %s failed", kind, job.name)
             finally:
                 sys.setprofile(None)
                 with self._condition:

@@ -537,8 +537,16 @@ class Consultation:
     record: dict[str, Any] | None
     place: _EntryPlace
 
-    def store(self, decision: Any, signatures: Sequence[InputSignature], new_decision: bool, owner: Any = None) -> None:
-        """Write `decision` (when `new_decision`) and the artifact its build wrote (when it built one).
+    def store(
+        self,
+        decision: Any,
+        signatures: Sequence[InputSignature],
+        new_decision: bool,
+        owner: Any = None,
+        write_record: bool = True,
+    ) -> None:
+        """Write `decision` (when `new_decision`, and `write_record`: not for a first plan whose search goes on) and the
+        artifact its build wrote (when it built one).
 
         `owner`: the identical sibling's decision that `decision` reuses (`Sourcing._shared`), else None. Siblings
         that differ only in plain values (a layer index) have keys of their own, and the artifact this sibling
@@ -562,7 +570,7 @@ class Consultation:
                 shared = False  # this entry's own positive decision stays
             # A decision cut short by the budget (this one, or the owner's it shares) is no decision for later
             # processes.
-            if (new_decision or shared) and not cut:
+            if (new_decision or shared) and not cut and write_record:
                 record = {
                     "fields": self.fields,
                     "chosen": decision.report.chosen,

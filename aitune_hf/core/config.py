@@ -84,6 +84,10 @@ class TuningConfig:
         background: tune on a worker thread while calls keep being served (eager, or by what is tuned already): no
             call waits for a tuning; only backends that build from a private copy of the module take part (ONNX
             Runtime; Inductor compiles the live module). docs/serving.md.
+        anytime: serve the first plan that is correct and beats eager clearly as soon as it is checked and timed (and,
+            in reduced precision, gated), and search the other cheap candidates after it on the worker, off the
+            callers' threads, switching only to a plan measured faster that passes the same checks (default;
+            `core/refine.py`, docs/backends.md). False: every candidate is tried before anything serves.
         quality: the end-to-end budget of reduced precision by metric (`aitune_hf.core.quality.METRICS`): e.g.
             {"psnr": 40} for images, {"cosine": 0.995} for embeddings; None: the defaults per output kind (PSNR >= 35
             dB, min per-row cosine >= 0.99, the same argmax, the same tokens).
@@ -123,6 +127,7 @@ class TuningConfig:
     precision: str | Sequence[str] = "fp32"
     quality: Mapping[str, float] | None = None
     background: bool = False
+    anytime: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -159,6 +164,7 @@ class TuningConfig:
                 raise _error("budget_s", self.budget_s, "a finite number > 0, or None")
         self.precision = _check_precision(self.precision)
         self.background = _check_bool("background", self.background)
+        self.anytime = _check_bool("anytime", self.anytime)
         self.quality = _check_quality(self.quality)
 
     @property

@@ -121,6 +121,19 @@ class TuningContext:
     evidence: KindEvidence = field(default_factory=KindEvidence)
     bypass: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
     served: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
+    #: The registration's worker (`Registration.worker`): tunings armed off the callers' threads, and the searches
+    #: after first plans, run there.
+    worker: Callable[[], BackgroundTuner | None] = lambda: None
+    #: Queues the search after a target's first plan (`core/refine.py`) on the worker: `search(target, refinement)`.
+    search: Callable[[Any, Any], None] = lambda target, refinement: None
+    #: True when no target that has been called tunes or waits to tune, and nothing waits for the end-to-end gate:
+    #: a search after a first plan starts then (`Refinement.run`).
+    quiet: Callable[[], bool] = lambda: True
+    #: `timing.clock()` at registration, at the first call a backend other than eager served (None before), and when
+    #: the latest tuning ended (None before).
+    started: float = 0.0
+    first_served: float | None = None
+    decided_at: float | None = None
     #: Per thread: `off_route`, how many routed calls this thread made that no decision covered (recorded, tuned, or
     #: run eager while tuning or in training): a target kept whole over its blocks records a call only where its blocks
     #: made none (a new shape a family route covers, checked once, counts as covered).

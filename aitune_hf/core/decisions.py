@@ -15,7 +15,7 @@ Sources (set by `core/sourcing.py`, where a decision comes from; the report says
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from aitune_hf.backends.base import Backend, BuiltBackend
@@ -44,6 +44,9 @@ class Decision:
     fp32_lost: str | None = None
     #: Why eager was kept, for a decision without evidence (pinned); otherwise the report says why.
     note: str | None = None
+    #: The search this decision's first plan left (`core/refine.py`: anytime tuning), or None: the search is done.
+    #: An identical sibling that takes the decision follows it.
+    refinement: Any = None
 
     @classmethod
     def pinned(cls, reason: str) -> Decision:

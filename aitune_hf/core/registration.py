@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import weakref
@@ -20,10 +21,11 @@ from aitune_hf.core.config import TuningConfig
 from aitune_hf.core.context import CallNotes, Progress, TuningContext
 from aitune_hf.core.precision import with_precisions
 from aitune_hf.core.quality import QualityFigure, measure
+from aitune_hf.core.refine import Refinement
 from aitune_hf.core.report import ModuleReport, TuningReport
 from aitune_hf.core.strategy import Strategy, resolve_strategy
 from aitune_hf.core.target import Target, TargetState
-from aitune_hf.core.timing import Stopwatch
+from aitune_hf.core.timing import Stopwatch, clock
 from aitune_hf.errors import InputTypeError, UsageError, UserInputError
 
 logger = logging.getLogger(__name__)
@@ -150,6 +152,12 @@ class Registration:
         self._gate_lock = threading.Lock()  # one end-to-end gate at a time: each judges what its replay met
         #: The latest end-to-end quality gate (`gate`): what the report shows beside the speed-up.
         self.quality: dict[str, Any] | None = None
+        self._context.worker = lambda: self.worker
+        self._context.search = self._search
+        self._context.quiet = self._quiet
+        self._context.started = clock()
+        #: The searches after first plans (`core/refine.py`), in the order they were queued.
+        self._searches: list[Refinement] = []
         self._targets = {name: Target(name, module, self._context) for name, module in modules.items()}
         #: Reports of targets that `descend()` replaced by targets inside them, by name.
         self.descended: dict[str, ModuleReport] = {}
@@ -341,16 +349,52 @@ class Registration:
     def detached(self) -> bool:
         return self._detached
 
-    def tune(self, why: str = "tune() was called") -> Registration:
-        """Arm tuning: each target tunes at its next forward call, inside the caller's own flow. `why` is what the
-        INFO log says when a target's tuning starts."""
+    def tune(self, why: str = "tune() was called", off_thread: bool = False) -> Registration:
+        """Arm tuning: each target tunes at its next forward call, inside the caller's own flow; with `off_thread`, on
+        the worker instead, that call running eager (the Hugging Face layer arms so once every target was decided: no
+        caller's call tunes after `all_tuned`). `why` is what the INFO log says when a target's tuning starts."""
         if self._detached:
             raise UsageError(
                 "tune() after detach(): this registration no longer holds its modules; register them again"
             )
         for target in self._targets.values():
-            target.arm(why)
+            target.arm(why, off_thread=off_thread)
         return self
+
+    def _search(self, target: Target, refinement: Refinement) -> None:
+        """Queue the search after `target`'s first plan on the worker (`core/refine.py`)."""
+        if not any(search is refinement for search in self._searches):
+            self._searches.append(refinement)
+        self.worker.submit_search(
+            f"the search after {target.name}'s first plan", functools.partial(target.refine_in_background, refinement),
+            key=(refinement, refinement.steps),
+        )  # fmt: skip
+
+    def _quiet(self) -> bool:
+        """True when no target that has been called tunes or waits to tune, and nothing waits for the end-to-end
+        gate."""
+        busy = (TargetState.ARMED, TargetState.TUNING)
+        return not any(t.state in busy and not t.idle for t in self._targets.values()) and not self.waiting_for_gate
+
+    @property
+    def searching(self) -> int:
+        """Searches after first plans not ended yet (queued or running on the worker, `core/refine.py`): the plans that
+        serve may still be replaced by faster ones. `wait()` waits for them."""
+        return sum(search.state != "done" for search in self._searches)
+
+    @property
+    def plan_seconds(self) -> dict[str, float | None]:
+        """Seconds from registration to the first call a tuned backend served (`first_tuned_s`), and to the final plan
+        (`final_plan_s`: the last search ended, or the last decision, when nothing is left to search; None while a
+        search goes on or before any decision)."""
+        context = self._context
+        first = None if context.first_served is None else context.first_served - context.started
+        ends = [search.ended_at for search in self._searches]
+        final = None
+        if first is not None and self.all_tuned and all(end is not None for end in ends):
+            times = [context.first_served, context.decided_at, *ends]
+            final = max(t for t in times if t is not None) - context.started
+        return {"first_tuned_s": first, "final_plan_s": final}
 
     def observe_calls(self, observer: Callable[[str], None] | None) -> None:
         """Call `observer(target_name)` at the start of every routed call (in the calling thread), or stop with
@@ -534,6 +578,7 @@ class Registration:
             descended=dict(self.descended),
             cache=self.cache.stats.line() if self.cache is not None else None,
             quality=dict(self.quality) if self.quality else None,
+            plans={**self.plan_seconds, "searching": self.searching} if self._context.first_served else None,
         )
 
     def detach(self) -> None:
@@ -549,6 +594,8 @@ class Registration:
         for worker in (self._context.background, self._checker):
             if worker is not None:
                 worker.stop()
+        for search in self._searches:
+            search.close()
         self._context.decisions.clear()
         self._context.on_call = None
         self._detached = True

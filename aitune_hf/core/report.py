@@ -50,6 +50,9 @@ class CandidateResult:
     #: Built from an identical module's work in this process (ONNX Runtime: its export, with these weights put in;
     #: `BuiltBackend.reused`), which is why its build took a fraction of a fresh one's.
     reused: bool = False
+    #: What its build computes otherwise than its name says (`BuiltBackend.note`: an int8 build's layers kept in a float
+    #: precision on this CPU), shown beside the chosen one in the report; None: nothing to say.
+    note: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -80,6 +83,11 @@ class SignatureReport:
     shapes_rejected: list[str] = field(default_factory=list)  # new shapes whose check failed (they run eager)
     reference_seconds: float = 0.0  # computing eager's reference outputs for the checks
     demoted: str | None = None  # a reduced-precision winner the end-to-end quality gate sent back to fp32, and why
+    #: Anytime tuning (`core/refine.py`): the backend that served first, where the search after it replaced it.
+    first_plan: str | None = None
+    #: What the search after the first plan did ("searched 3 more candidate(s) on the worker; ..."); None where no
+    #: search was left to do, or while it is queued.
+    search: str | None = None
 
     @property
     def source(self) -> str:
@@ -204,10 +212,14 @@ class TuningReport:
     #: The end-to-end quality gate of reduced precision (`Registration.gate`): metric, value, budget, passed, kind,
     #: demoted (the blocks it sent back to fp32), replays; None when no reduced-precision decision was gated.
     quality: dict[str, Any] | None = None
+    #: Anytime tuning (`Registration.plan_seconds`): seconds from registration to the first call a tuned backend served
+    #: (`first_tuned_s`) and to the final plan (`final_plan_s`, None while the search goes on), and the searches after
+    #: first plans still going on (`searching`); None before any.
+    plans: dict[str, Any] | None = None
 
     #: The keys of `to_dict()`, which `from_dict` reads back; anything else in a saved report is its writer's own facts
     #: (the CLI's `demo --json` adds the run's), which readers print as such.
-    KEYS = ("end_to_end", "tuning_seconds", "modules", "descended", "cache", "quality")
+    KEYS = ("end_to_end", "tuning_seconds", "modules", "descended", "cache", "quality", "plans")
 
     COLUMNS = (
         "target",
@@ -266,6 +278,13 @@ class TuningReport:
             if demoted:
                 note = f"{note}; " if note else ""
                 note += f"sent back to {demoted.precision} by the end-to-end quality gate: {demoted.demoted}"
+            for built in sorted({c.note for s in report.signatures for c in s.candidates
+                                 if c.backend == s.chosen and c.note}):  # fmt: skip
+                note = f"{note}; " if note else ""
+                note += built
+            for search in dict.fromkeys(s.search for s in report.signatures if s.search):
+                note = f"{note}; " if note else ""
+                note += search
             rows.append(
                 [
                     report.name,
@@ -321,6 +340,9 @@ class TuningReport:
             f"targets: {len(self.modules)} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); "
             f"tuning {self.tuning_seconds:.1f} s"
         ]
+        plans = self.plan_line()
+        if plans:
+            lines.append(plans)
         idle = [name for name, report in self.modules.items() if report.idle]
         if idle:
             lines.append(f"idle (never called, not waited for): {', '.join(idle)}")
@@ -371,6 +393,20 @@ class TuningReport:
                 + ("never pays off" if calls is None else f"paid off after {calls} call(s)"),
             )
         return lines
+
+    def plan_line(self) -> str | None:
+        """When tuned calls began and when the plan that serves was settled: "plans: first tuned call 8.1 s after
+        registration, final plan after 23.4 s"; "...; searching on the worker (2 decision(s))" while the search after a
+        first plan goes on (`core/refine.py`); None before any tuned call."""
+        plans = self.plans or {}
+        first = plans.get("first_tuned_s")
+        if first is None:
+            return None
+        text = f"plans: first tuned call {first:.1f} s after registration"
+        final, searching = plans.get("final_plan_s"), plans.get("searching") or 0
+        if searching:
+            return f"{text}; searching on the worker ({searching} decision(s)): a faster plan may still replace it"
+        return f"{text}, final plan after {final:.1f} s" if final is not None else text
 
     def quality_line(self) -> str | None:
         """The end-to-end quality of reduced precision, as the summary shows it next to the speed-up: "PSNR 41.2 dB
@@ -470,6 +506,7 @@ class TuningReport:
             "descended": {name: report.to_dict() for name, report in self.descended.items()},
             "cache": self.cache,
             "quality": self.quality,
+            "plans": self.plans,
         }
 
     @classmethod
@@ -501,6 +538,7 @@ class TuningReport:
             descended={name: module(raw) for name, raw in (data.get("descended") or {}).items()},
             cache=data.get("cache") if isinstance(data.get("cache"), str) else None,
             quality=data.get("quality") if isinstance(data.get("quality"), dict) else None,
+            plans=data.get("plans") if isinstance(data.get("plans"), dict) else None,
         )
 
     def plot(self, ax: Any = None, **kwargs: Any) -> Any:

@@ -44,6 +44,11 @@ class Route:
     #: The relative error the block check measured at that new shape (what the gate demotes by, largest first).
     rel_error: float | None = None
 
+    #: A route the search after a first plan put in place of this one (`core/refine.py`): while it waits for the
+    #: end-to-end gate, `replaces` (the plan it would replace) serves as its fallback, and goes back in its place if the
+    #: gate fails it (`Target.demote`); None once accepted, or for any other route.
+    replaces: Route | None = None
+
     #: Whether its guard held when last checked: a route whose guard just failed is not started before its check
     #: (`Target._start`), until it holds again.
     held: bool = True

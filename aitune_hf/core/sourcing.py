@@ -22,6 +22,7 @@ from aitune_hf.core.cache import Consultation, consult
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.decisions import Decision
 from aitune_hf.core.keys import build_state, key_fields, state_fingerprint
+from aitune_hf.core.refine import Refinement
 from aitune_hf.core.report import CandidateResult
 from aitune_hf.core.signature import InputSignature, layout_of
 from aitune_hf.core.strategy import TuningJob
@@ -42,24 +43,33 @@ class Sourcing:
     #: so they are other cache entries than its decisions as a whole alone.
     over: tuple[str, ...] = ()
 
-    def decide(self, job: TuningJob, signatures: list[InputSignature], dynamic: bool) -> Decision:
+    def decide(
+        self, job: TuningJob, signatures: list[InputSignature], dynamic: bool, private: bool = False
+    ) -> Decision:
         """An identical sibling's decision, a cached one (`core/cache.py`), or a new one; each checked on the
-        recorded calls before it serves. A new decision, and the artifact its build wrote, go to the cache."""
+        recorded calls before it serves. A new decision, and the artifact its build wrote, go to the cache; a first
+        plan that left candidates to search (anytime tuning) gets its search (`Decision.refinement`), and the cache
+        gets the decision it ends with. `private`: the builds may only work on private copies of the module (a tuning
+        on the worker)."""
         context = self.context
         key = sibling_key(self.module, signatures) if context.config.share_identical else None
         shared = context.decisions.get(key) if key is not None else None
         # Computed once, when first asked for: by the cache's key, and by builds that share work (`build_state`).
         fingerprint = functools.cache(lambda: state_fingerprint(self.module))
+        fields = functools.cache(lambda: key_fields(
+            self.module, signatures, dynamic, context.config, context.candidates, repr(context.strategy),
+            layout_of(job.samples[0].args, job.samples[0].kwargs), fingerprint(), self.over,
+        ))  # fmt: skip
+        builds = {
+            "shared": {},
+            "state": functools.cache(lambda: build_state(fingerprint(), self.module.training, signatures, dynamic)),
+        }
         with (
-            consult(context.cache, self.module, lambda: key_fields(
-                self.module, signatures, dynamic, context.config, context.candidates, repr(context.strategy),
-                layout_of(job.samples[0].args, job.samples[0].kwargs), fingerprint(), self.over,
-            )) as entry,
+            consult(context.cache, self.module, fields) as entry,
             build_context(
                 place=entry.place if entry is not None else None,
-                shared={},
-                private_only=context.background is not None,
-                state=functools.cache(lambda: build_state(fingerprint(), self.module.training, signatures, dynamic)),
+                private_only=context.background is not None or private,
+                **builds,
             ),
         ):  # fmt: skip
             decision = None
@@ -75,14 +85,30 @@ class Sourcing:
                 if context.background is not None:  # nothing to reuse: a full tuning (a warming replica stops waiting)
                     context.background.afresh = True
                 decision = context.strategy.decide(job, context.candidates)
+                if job.deferred and decision.backend is not None:  # anytime: this plan serves, the search goes on
+                    decision.refinement = Refinement(
+                        context.strategy, job, decision,
+                        consult=functools.partial(consult, context.cache, self.module, fields),
+                        publish=functools.partial(self._publish, key), build=builds,
+                    )  # fmt: skip
+            elif shared is not None and shared[1].refinement is not None and decision.backend is not None:
+                decision.refinement = shared[1].refinement  # this sibling follows the search of the one it shares
             if entry is not None:
                 stats = entry.cache.stats
                 stats.hits += decision.report.from_cache is not None  # its own, or its sibling's, from the cache
                 stats.misses += new
-                entry.store(decision, signatures, new_decision=new, owner=shared[1] if shared else None)
+                # A first plan whose search goes on is no decision for later processes yet: its artifact is kept, the
+                # decision is written when the search ends (`Refinement.run`).
+                entry.store(decision, signatures, new_decision=new, owner=shared[1] if shared else None,
+                            write_record=decision.refinement is None)  # fmt: skip
         if key is not None and (shared is None or new):
             context.decisions[key] = (self.name, decision)
         return decision
+
+    def _publish(self, key: Any, decision: Decision) -> None:
+        """The decision a search ended with, for the identical siblings tuned later in this process."""
+        if key is not None:
+            self.context.decisions[key] = (self.name, decision)
 
     def _from_cache(self, job: TuningJob, entry: Consultation) -> Decision | None:
         """The cached decision, its winner built alone (from its cached artifact where one fits) and checked on

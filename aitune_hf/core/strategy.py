@@ -21,7 +21,7 @@ from aitune_hf.core.report import CandidateResult, SignatureReport
 from aitune_hf.core.rng import DrawsRandomNumbers, no_random_draws, random_states
 from aitune_hf.core.signature import InputSignature, Sample, describe_family, state_tensors
 from aitune_hf.core.strategy_base import STRATEGIES, Strategy, build_cost
-from aitune_hf.core.timing import Stopwatch, clock, time_until_settled
+from aitune_hf.core.timing import MIN_ROUNDS, Stopwatch, clock, time_until_settled
 from aitune_hf.errors import CandidateUnavailable, ConfigError, TuningError
 
 if TYPE_CHECKING:
@@ -121,8 +121,24 @@ class TuningJob:
         name: str | None = None,
         evidence: KindEvidence | None = None,
         baseline: Callable[..., Any] | None = None,
+        anytime: bool = False,
     ) -> None:
         started = clock() if started is None else started
+        #: Anytime tuning (`TuningConfig.anytime`, `core/refine.py`): a strategy may choose the first candidate that
+        #: wins clearly and leave the rest of its tier (`deferred`) to a search off the callers' threads (`refine`).
+        self.anytime = anytime
+        #: The candidates the first plan left untried (built later by `Strategy.refine`, on the worker).
+        self.deferred: list[Backend] = []
+        #: The candidates still in contention when the strategy chose (the winner among them): what a refinement times
+        #: its new candidates beside.
+        self.contenders: list[tuple[Backend, CandidateResult, BuiltBackend]] = []
+        #: True when the search should stop before its next build (`core/refine.py`: the plan it searches for is gone).
+        self.halted: Callable[[], bool] = lambda: False
+        #: The fastest plan the search has timed so far (`MinLatency.refine_step`): the first plan, until one is timed
+        #: faster than it.
+        self.leader: tuple[Backend, CandidateResult, BuiltBackend] | None = None
+        #: Per candidate, the seconds each recorded call took in its check (`estimate`).
+        self._check_seconds: dict[str, list[float]] = {}
         #: What the candidates are timed against (`time`'s "eager"): `forward`, or for a target kept whole over its
         #: blocks its forward with the blocks served (`Target.inner`); references and builds use `forward`.
         self.baseline = baseline if baseline is not None else forward
@@ -210,6 +226,21 @@ class TuningJob:
         """True once `config.budget_s` has passed since the target began tuning (never without a budget)."""
         return self.deadline is not None and clock() >= self.deadline
 
+    @property
+    def timed_calls(self) -> list[int]:
+        """Indices into `samples` of the calls that are timed (the hottest shapes first)."""
+        return list(self._timed)
+
+    def estimate(self, result: CandidateResult) -> float | None:
+        """A candidate's speed-up as its check showed it, with no timing of its own: the smallest ratio over the
+        recorded calls of eager's seconds (its reference run) to the candidate's (its check run, the candidate's first
+        run of each call: cold, so this errs low). None where it was not checked. One run each side: an estimate for
+        a first plan that wins by far (`FIRST_PLAN_MARGIN`), which the search after it times side by side."""
+        seconds = self._check_seconds.get(result.backend)
+        if not seconds or len(seconds) != len(self._seconds):
+            return None
+        return min(eager / max(mine, 1e-9) for eager, mine in zip(self._seconds, seconds, strict=True))
+
     def skip(self, backend: Backend, why: str, kind: str | None = None) -> CandidateResult:
         """Record `backend` as not tried: its row says "skipped: <why>"; `kind` is `CandidateResult.skipped_for`."""
         result = CandidateResult(backend=backend.describe(), error=f"skipped: {why}", skipped_for=kind)
@@ -286,12 +317,16 @@ class TuningJob:
                     built = backend.build(self.module, self.forward, self.fresh_calls(), dynamic=True)
                 else:
                     built = backend.build(self.module, self.forward, self.fresh_calls())
-            result.reused = built.reused
+            result.reused, result.note = built.reused, built.note
             worst = worst_rel = 0.0
+            seconds = self._check_seconds[result.backend] = []
             with checking, self.mode():
                 for sample, reference in zip(self.samples, self.references, strict=True):
                     call = sample.as_call()
-                    observed = self._observe(sample, call, built.fn(*call[0], **call[1]))
+                    with Stopwatch(self.devices) as run:
+                        output = built.fn(*call[0], **call[1])
+                    seconds.append(run.seconds)
+                    observed = self._observe(sample, call, output)
                     check = compare_outputs(reference, observed, self.config.tolerance, budget)
                     worst, worst_rel = max(worst, check.max_abs_error), max(worst_rel, check.rel_error)
                     if not check.ok:
@@ -315,15 +350,28 @@ class TuningJob:
             result.check_seconds = checking.seconds if checking.start else None
 
     def time(
-        self, candidates: Sequence[tuple[CandidateResult, BuiltBackend]], thresholds: Sequence[float] | None = None
+        self,
+        candidates: Sequence[tuple[CandidateResult, BuiltBackend]],
+        thresholds: Sequence[float] | None = None,
+        against: tuple[CandidateResult, BuiltBackend] | None = None,
+        rounds: int | None = None,
     ) -> list[CandidateResult]:
         """Time eager and the candidates side by side until each speed-up is decided against `thresholds` (default:
         `config.min_speedup`), at most `config.repeats` rounds (`timing.time_until_settled`); fills latencies,
         speed-ups (median of the per-round paired ratios), rounds, timing seconds and `self.bounds`.
 
+        `against`: a candidate timed against eager before (the plan that serves, in the search after it), timed in
+        eager's place: each speed-up is then its paired ratio to `against` times `against`'s speed-up (two ratios, each
+        paired in its own rounds), and the thresholds are ratios to `against`. A search at batch 32 of a whole MiniLM
+        then runs OpenVINO's 0.25 s call in each round where eager's 1 s call ran. `rounds`: at most this many timed
+        rounds (default `config.repeats`).
+
         Returns the candidates that survived; one that raised while being timed gets its error recorded.
         """
-        fns = {"eager": self.baseline} | {result.backend: self.serving(result, built) for result, built in candidates}
+        scale, eager = 1.0, self.baseline
+        if against is not None:
+            scale, eager = against[0].speedup or 1.0, self.serving(*against)
+        fns = {"eager": eager} | {result.backend: self.serving(result, built) for result, built in candidates}
         timed = [self.samples[i] for i in self._timed]
         stateful = any(sample.stateful for sample in timed)
 
@@ -339,7 +387,7 @@ class TuningJob:
                 calls,
                 self.devices,
                 self.config.warmup,
-                self.config.repeats,
+                rounds or self.config.repeats,
                 baseline="eager",
                 thresholds=thresholds,
                 deadline=self.deadline,
@@ -348,7 +396,8 @@ class TuningJob:
         shared = max(watch.seconds - sum(own.values()), 0.0) / max(len(candidates), 1)  # eager's runs, copies
         for result, _ in candidates:
             result.timing_seconds = (result.timing_seconds or 0.0) + own[result.backend] + shared
-        self.report.eager_latency_s = timing.latencies["eager"]
+        if against is None:
+            self.report.eager_latency_s = timing.latencies["eager"]
         survivors = []
         for result, _ in candidates:
             if result.backend in timing.failures:
@@ -356,9 +405,10 @@ class TuningJob:
                 result.error, result.details = f"failed while timed: {summarize(error)}", details(error)
                 continue
             result.latency_s = timing.latencies[result.backend]
-            result.speedup = timing.speedups[result.backend]
+            result.speedup = timing.speedups[result.backend] * scale
             result.rounds = timing.timed[result.backend]  # fewer where it was retired early
-            self.bounds[result.backend] = timing.bounds[result.backend]
+            low, high = timing.bounds[result.backend]
+            self.bounds[result.backend] = (low * scale, high * scale)
             survivors.append(result)
         return survivors
 
@@ -505,23 +555,62 @@ class MinLatency(Strategy):
         elif fp32:
             timed = self._tiers(job, fp32, timed, clear)
         best = _best(timed)
+        job.contenders = list(timed)
         if best is None:
+            job.deferred = []  # nothing serves: nothing to refine (a new tuning tries them all)
             return job.keep_eager(_nothing_worked(job, backends))
         backend, result, built = best
         if (result.speedup or 0.0) < job.config.min_speedup:
+            job.deferred = []
             return job.keep_eager(
                 f"nothing was faster: best {result.backend} at {result.speedup:.2f}x "
                 f"(needs {job.config.min_speedup:.2f}x)"
             )
-        fallback, fp32_lost = None, None
-        if backend.precision != "fp32":  # what serves if the end-to-end quality gate rejects the reduced precision
-            fp32_timed = [
-                c for c in timed if c[0].precision == "fp32" and (c[1].speedup or 0.0) >= job.config.min_speedup
-            ]
-            fallback = _best(fp32_timed)
-            if fallback is None and fp32_tried:
-                fp32_lost = _fp32_lost(job, fp32, timed)
+        fallback, fp32_lost = _fallback(job, backend, timed, fp32 if fp32_tried else None)
         return job.choose(backend, result, built, fallback, fp32_lost)
+
+    def refine_step(self, job: TuningJob, current: Decision) -> bool:
+        """One step of the search the first plan (`current`) left, off the callers' threads (`core/refine.py`); True
+        while steps are left. Where the first plan's figures are its check's estimate (`_far_ahead`), the first step
+        times it against eager. Each later step builds and checks the next deferred candidate as `decide` does
+        (skipped where the evidence says it cannot win: `_precision_lost`, `_cannot_win`), and times it side by side
+        with the fastest plan so far (`TuningJob.time(against=...)`): it leads from then on where it was timed faster by
+        `SWITCH_MARGIN`."""
+        leader = job.leader or next((c for c in job.contenders if c[1].backend == current.report.chosen), None)
+        if leader is None or job.halted():
+            job.deferred = []
+            return False
+        job.leader = leader
+        if not leader[1].rounds:  # an estimate: timed against eager first
+            job.time([(leader[1], leader[2])])
+            return bool(job.deferred)
+        if not job.deferred:
+            return False
+        backend = job.deferred.pop(0)
+        if job.budget_spent:
+            job.skip_for_budget(backend)
+        elif (lost := _precision_lost(job, backend) or _cannot_win(job, backend)) is not None:
+            job.skip(backend, lost, kind="evidence")
+        else:
+            result, built = job.try_backend(backend)
+            # A switch needs confidence: at least the rounds the sign test needs for a bound (`timing.MIN_ROUNDS`).
+            rounds = max(job.config.repeats, MIN_ROUNDS)
+            if built is not None and job.time([(result, built)], (1 + SWITCH_MARGIN,), leader[1:], rounds):
+                job.contenders.append((backend, result, built))
+                low = job.bounds[result.backend][0] / (leader[1].speedup or 1.0)
+                if low > 1.0 and (result.speedup or 0.0) >= (leader[1].speedup or 0.0) * (1 + SWITCH_MARGIN):
+                    job.leader = (backend, result, built)
+        return bool(job.deferred)
+
+    def refine(self, job: TuningJob, current: Decision) -> Decision | None:
+        """The end of the search (`refine_step`): the decision of the plan that led, where it is not the first plan
+        (its fallback, for reduced precision, the fastest fp32 candidate timed), else None: the first plan serves on."""
+        leader = job.leader
+        if leader is None or leader[1].backend == current.report.chosen or job.halted():
+            return None
+        fp32 = [c[0] for c in job.contenders if c[0].precision == "fp32"]
+        fallback, fp32_lost = _fallback(job, leader[0], job.contenders, fp32 or None)
+        return job.choose(*leader, fallback, fp32_lost)
 
     def _tiers(
         self,
@@ -558,31 +647,47 @@ class MinLatency(Strategy):
                     tier = [b for b in tier if b.precision not in beaten]
                     if not tier:
                         break
-            built_now = []
-            for backend in tier:
-                if job.budget_spent:
-                    job.skip_for_budget(backend)
+            # Anytime (`TuningJob.anytime`): the cheap builds one at a time, each timed as soon as it is checked; the
+            # first that wins clearly serves, and the rest of the tier is left to the search after it (`refine`).
+            steps = [[b] for b in tier] if job.anytime and not slow_tier and self.skip_slow_builds else [tier]
+            for index, step in enumerate(steps):
+                built_now = []
+                for backend in step:
+                    if job.budget_spent:
+                        job.skip_for_budget(backend)
+                        continue
+                    lost = None
+                    if slow_tier and self.skip_slow_builds and backend.precision != "fp32":
+                        lost = _precision_lost(job, backend)
+                    if lost is None and slow_tier and job.evidence is not None:
+                        lost = job.evidence.pruned(job.kind, backend.describe(), self.prune_slow_after)
+                    if lost is not None:
+                        job.skip(backend, lost, kind="evidence")
+                        continue
+                    result, built = job.try_backend(backend)
+                    if built is not None:
+                        built_now.append((backend, result, built))
+                if not built_now:
                     continue
-                lost = None
-                if slow_tier and self.skip_slow_builds and backend.precision != "fp32":
-                    lost = _precision_lost(job, backend)
-                if lost is None and slow_tier and job.evidence is not None:
-                    lost = job.evidence.pruned(job.kind, backend.describe(), self.prune_slow_after)
-                if lost is not None:
-                    job.skip(backend, lost, kind="evidence")
-                    continue
-                result, built = job.try_backend(backend)
-                if built is not None:
-                    built_now.append((backend, result, built))
-            if not built_now:
-                continue
-            # Earlier candidates settled below min_speedup cannot win; the rest are timed again, side by side.
-            contenders = [c for c in timed if job.bounds.get(c[1].backend, (0.0, 0.0))[1] >= job.config.min_speedup]
-            survivors = {id(r) for r in job.time([(r, built) for _, r, built in contenders + built_now], thresholds)}
-            retimed = {id(c[1]) for c in contenders + built_now}
-            timed = [c for c in timed if id(c[1]) not in retimed] + [
-                c for c in contenders + built_now if id(c[1]) in survivors
-            ]
+                later = [b for rest in steps[index + 1 :] for b in rest]
+                if len(steps) > 1 and later and not timed and _far_ahead(job, built_now[0][1], clear):
+                    # A first plan that wins by far on its check alone serves without timed rounds; the search after it
+                    # times it side by side with eager and the candidates it left.
+                    timed, job.deferred = [built_now[0]], job.deferred + _searched_first(built_now[0][0], later)
+                    break
+                # Earlier candidates settled below min_speedup cannot win; the rest are timed again, side by side.
+                contenders = [c for c in timed if job.bounds.get(c[1].backend, (0.0, 0.0))[1] >= job.config.min_speedup]
+                survivors = {
+                    id(r) for r in job.time([(r, built) for _, r, built in contenders + built_now], thresholds)
+                }
+                retimed = {id(c[1]) for c in contenders + built_now}
+                timed = [c for c in timed if id(c[1]) not in retimed] + [
+                    c for c in contenders + built_now if id(c[1]) in survivors
+                ]
+                winner = _best(timed)
+                if later and winner is not None and job.bounds.get(winner[1].backend, (0.0, 0.0))[0] > clear:
+                    job.deferred += _searched_first(winner[0], later)
+                    break
         return timed
 
     def __repr__(self) -> str:
@@ -596,6 +701,61 @@ class MinLatency(Strategy):
         if self.prune_slow_after != 2:
             options.append(f"prune_slow_after={self.prune_slow_after!r}")
         return f"MinLatency({', '.join(options)})"
+
+
+#: A refinement switches to a candidate only when it was timed at least this much faster than the plan that serves, in
+#: the same rounds (`MinLatency.refine`): a lead within the noise keeps the plan, and its built state.
+SWITCH_MARGIN = 0.03
+#: A first plan serves without timed rounds where its check alone showed it this many times `clear_speedup` ahead of
+#: eager on every recorded call (`TuningJob.estimate`: one cold run each side; the search after it times it side by
+#: side). Measured on real MiniLM whole at batch 32: OpenVINO bf16 3.1-3.9x, where the timed rounds of the first plan
+#: took 9-12 s (eager's 1 s call in each of at least 7 rounds).
+FIRST_PLAN_MARGIN = 2.0
+
+
+def _searched_first(winner: Backend, later: list[Backend]) -> list[Backend]:
+    """The order the search after a first plan tries what it left: the winner's own backend first (its other doors and
+    precisions: the likeliest to beat it, and the evidence the other runtimes' candidates are weighed by,
+    `Backend.cannot_win`), then the others, each group in the order given."""
+    return sorted(later, key=lambda backend: backend.name != winner.name)
+
+
+def _far_ahead(job: TuningJob, result: CandidateResult, clear: float) -> bool:
+    """True where `result`'s check showed it more than `FIRST_PLAN_MARGIN` x `clear` ahead of eager: its figures are
+    then that estimate (`rounds` 0: not timed), and its lower bound the estimate over the margin."""
+    estimate = job.estimate(result)
+    if estimate is None or estimate <= FIRST_PLAN_MARGIN * clear:
+        return False
+    hottest = job.timed_calls[0]  # the latencies of the call timing would have timed first
+    result.speedup, result.latency_s, result.rounds = estimate, job._check_seconds[result.backend][hottest], 0
+    job.report.eager_latency_s = job.report.eager_latency_s or job._seconds[hottest]
+    job.bounds[result.backend] = (estimate / FIRST_PLAN_MARGIN, estimate)
+    return True
+
+
+def _fallback(
+    job: TuningJob,
+    backend: Backend,
+    timed: Sequence[tuple[Backend, CandidateResult, BuiltBackend]],
+    fp32: list[Backend] | None,
+) -> tuple[tuple[Backend, CandidateResult, BuiltBackend] | None, str | None]:
+    """For a reduced-precision winner: the best fp32 candidate timed above `min_speedup` (what serves if the end-to-end
+    quality gate rejects it), or None with why none would (`Decision.fp32_lost`; None where fp32 was not tried:
+    `fp32` is None). (None, None) for an fp32 winner."""
+    if backend.precision == "fp32":
+        return None, None
+    fp32_timed = [c for c in timed if c[0].precision == "fp32" and (c[1].speedup or 0.0) >= job.config.min_speedup]
+    fallback = _best(fp32_timed)
+    if fallback is None and fp32 is not None:
+        return None, _fp32_lost(job, fp32, list(timed))
+    return fallback, None
+
+
+def _cannot_win(job: TuningJob, backend: Backend) -> str | None:
+    """Why the evidence timed on this target says `backend` cannot win (`Backend.cannot_win`, asked with what was timed
+    here: each candidate's `describe()`, precision and speed-up), or None."""
+    timed = [(c.backend, c.precision, c.speedup) for c in job.report.candidates if c.speedup is not None]
+    return backend.cannot_win(timed) if timed else None
 
 
 def _precision_lost(job: TuningJob, backend: Backend) -> str | None:

@@ -72,7 +72,17 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def decide(self, job: Job, backends: Sequence[Backend]) -> Decision:
-        """Build, check and time candidates for `job`, and choose."""
+        """Build, check and time candidates for `job`, and choose. With anytime tuning (`TuningConfig.anytime`) a
+        strategy may choose before it has tried every candidate, leaving the rest to `refine`."""
+
+    def refine_step(self, job: Job, current: Decision) -> bool:
+        """Off the callers' threads, after `decide` chose `current` as a first plan for `job`: try the next candidate
+        `decide` left; True while more are left (`core/refine.py`). Default: nothing is left."""
+        return False
+
+    def refine(self, job: Job, current: Decision) -> Decision | None:
+        """Once `refine_step` is done: a decision measured better than `current`, or None to keep it. Default: None."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()" if self.order == "cost" else f"{type(self).__name__}(order={self.order!r})"

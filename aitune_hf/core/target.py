@@ -56,7 +56,7 @@ from aitune_hf.core.signature import (
 from aitune_hf.core.slots import ForwardSlot, all_slots, locate_slot
 from aitune_hf.core.sourcing import Sourcing
 from aitune_hf.core.strategy import NoEvidence, TuningJob
-from aitune_hf.core.timing import Stopwatch
+from aitune_hf.core.timing import Stopwatch, clock
 from aitune_hf.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -69,9 +69,76 @@ _REJECTED_KEPT = 1024
 _NOT_COVERED = object()
 #: Why reduced-precision candidates are unavailable to a target whose reduced-precision decision failed the gate.
 _DEMOTED = "reduced precision failed the end-to-end quality gate here: this block tunes in fp32"
-#: One tuning at a time in the process: torch.export and Dynamo tracing hold process-wide state (flags such as
-#: `torch.compiler.is_compiling()`, patched module calls). A thread that finds it taken runs its call eager.
-_TUNING = threading.Lock()
+
+
+class _TuningLock:
+    """One tuning at a time in the process: torch.export and Dynamo tracing hold process-wide state (flags such as
+    `torch.compiler.is_compiling()`, patched module calls).
+
+    A caller's tuning comes first: one that finds another caller tuning runs its call eager (and tunes at a later
+    call), but one that finds the worker tuning (`tune_in_background`) or searching (a step of the search after a
+    first plan, `core/refine.py`) waits for that to end, and no work on a worker starts while a caller waits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._turns = threading.Condition(threading.Lock())
+        self._callers_waiting = 0
+        self._worker = False  # the holder is a worker (a tuning or a search step there), not a caller
+
+    def caller(self) -> bool:
+        """For a caller's call: True once held; False where another caller tunes now."""
+        if self._lock.acquire(blocking=False):
+            self._worker = False
+            return True
+        if not self._worker:
+            return False
+        with self._turns:
+            self._callers_waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._turns:
+                self._callers_waiting -= 1
+                self._turns.notify_all()
+        self._worker = False
+        return True
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold it on a worker (a tuning, or a step of a search): once no caller waits for it."""
+        while True:
+            with self._turns:
+                self._turns.wait_for(lambda: self._callers_waiting == 0)
+            self._lock.acquire()
+            if self._callers_waiting == 0:
+                break
+            self._lock.release()  # a caller came to wait meanwhile: it goes first
+        self._worker = True
+        try:
+            yield
+        finally:
+            self._worker = False
+            self._lock.release()
+
+    def release(self) -> None:
+        self._worker = False
+        self._lock.release()
+
+
+_TUNING = _TuningLock()
+#: `on` while this thread tunes or searches on a worker (`tune_in_background`, `refine_in_background`): builds there
+#: are private, and the backends that compile the live module are ruled out (`Target._private_builds_only`).
+_OFF_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def _off_thread() -> Iterator[None]:
+    prior = getattr(_OFF_THREAD, "on", False)
+    _OFF_THREAD.on = True
+    try:
+        yield
+    finally:
+        _OFF_THREAD.on = prior
 
 
 class TargetState(str, enum.Enum):
@@ -156,6 +223,7 @@ class Target:
         #: stands. Per-signature decisions live in the routes.
         self._pinned: Decision | None = None
         self._why = "tune() was called"  # why it was armed last, logged when its tuning starts
+        self._off_thread = False  # armed to tune on the worker, not in a caller's call (`arm`)
         self._no_evidence: str | None = None  # why the last tuning found no sample to check against
         self._restrictions: list[tuple[Callable[[Backend], bool], str]] = []
         #: Recorded calls not yet tuned, by signature.
@@ -278,10 +346,12 @@ class Target:
         return self._slot.description if self._slot else "-"
 
     # -- control ------------------------------------------------------------------------------------
-    def arm(self, why: str = "tune() was called") -> None:
+    def arm(self, why: str = "tune() was called", off_thread: bool = False) -> None:
         """Tune at the next forward call that no route can serve, in the module state of that call: recorded
         signatures without a route, and states that changed since a route was built. A decided target with
-        nothing recorded has nothing to tune and stays as it is. `why` is logged when the tuning starts."""
+        nothing recorded has nothing to tune and stays as it is. `why` is logged when the tuning starts. With
+        `off_thread` (the Hugging Face layer's arming once every target was decided), that call does not tune: it runs
+        eager, and the registration's worker tunes (`tune_in_background`)."""
         with self._lock:
             if self._state is TargetState.DETACHED:
                 raise UsageError(f"target {self.name!r} is detached; register it again to tune it")
@@ -290,6 +360,7 @@ class Target:
             if self.decided and not any(self.samples.values()):
                 return
             self._why = why
+            self._off_thread = off_thread
             self._move(TargetState.ARMED, self._reason)
 
     def pin_eager(self, reason: str) -> None:
@@ -366,7 +437,7 @@ class Target:
                     else:
                         self._record(signature, args, kwargs)
             if state is TargetState.ARMED:  # armed, and no route for this call
-                background = context.background
+                background = context.background or (context.worker() if self._off_thread else None)
                 if background is not None:  # no call waits for a tuning: the worker tunes, this call runs eager
                     background.submit(self)
                 elif self._tune_if_free():
@@ -382,9 +453,13 @@ class Target:
             return self.original_forward(*args, **kwargs)
         before = context.off_route()
         output = self.original_forward(*args, **kwargs)  # its blocks route their own calls
-        if context.off_route() == before:  # every block call inside was served by a route: its blocks decided it
-            with self._lock:
+        # Every block call inside was served by a route (its blocks decided it): a sample, unless the worker tunes this
+        # target now (it holds the lock for the whole tuning: the caller never waits for it; a later call records).
+        if context.off_route() == before and self._lock.acquire(blocking=False):
+            try:
                 self._record(signature, args, kwargs, held)
+            finally:
+                self._lock.release()
         return output
 
     def _capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sample | None:
@@ -441,7 +516,7 @@ class Target:
         """Tune now unless another thread is tuning (any target): then this call runs eager and the target
         stays armed. One tuning at a time in the process: torch.export and Dynamo tracing hold process-wide
         state. Returns True when this call tuned."""
-        if not _TUNING.acquire(blocking=False):
+        if not _TUNING.caller():
             return False
         try:
             with self._lock:
@@ -453,10 +528,52 @@ class Target:
             _TUNING.release()
 
     def tune_in_background(self, tuner: Any) -> None:
-        """Tune now, on the background worker (`core/background.py`): waits for any tuning in the process to end."""
-        with _TUNING, self._lock:
+        """Tune now, on the background worker (`core/background.py`): waits for any tuning in the process to end. Only
+        backends that build from a private copy of the module take part (`_private_builds_only`)."""
+        with _TUNING.held(), self._lock, _off_thread():
             if self._state is TargetState.ARMED:
                 self._tune()
+
+    def refine_in_background(self, refinement: Any) -> None:
+        """A step of the search after this target's first plan (`core/refine.py`), on the worker: its first waits for
+        the callers' tunings to end; each holds the process's tuning lock (not this target's: calls keep being served),
+        and queues the next step behind what waits on the worker."""
+        with _off_thread():
+            more = refinement.step(self._context.quiet, _TUNING.held)
+        if more:
+            self._context.search(self, refinement)
+
+    def serves(self, route: Route) -> bool:
+        """True while `route` is one of this target's routes, its guard holds and it waits for no gate."""
+        return any(r is route for r in self.routes) and not route.provisional and route.holds() is None
+
+    def replace_route(self, old: Route, decision: Decision) -> Route | None:
+        """Serve `decision` (the search after a first plan found it faster) where `old` serves, for the same shapes in
+        the same module state; None where `old` is gone (a guard failure, the gate, `detach`). Where the end-to-end
+        gate is required and it computes in reduced precision, it waits for the gate (`provisional`) with `old` serving
+        meanwhile (`Route.replaces`), and `old` comes back if the gate fails it."""
+        backend, built = decision.backend, decision.built
+        assert backend is not None and built is not None and decision.guard is not None
+        with self._lock:
+            if not any(r is old for r in self.routes):
+                return None
+            route = Route(backend, built, decision.report, decision.guard, old.reference, old.family_wide)
+            if backend.precision != "fp32":
+                route.fallback, route.fp32_lost = decision.fallback, decision.fp32_lost
+                if self._context.gate_required:
+                    route.provisional, route.replaces = True, old
+                    route.fallback = None if old.built is None or old.backend is None else (
+                        old.backend, old.built, old.guard)  # fmt: skip
+            self._swap(old, route)
+            waits = " once the gate passes it" if route.provisional else ""
+            logger.info("%s: %s replaces %s (the search after the first plan)%s", self.name, backend.describe(),
+                        old.report.first_plan or "?", waits)  # fmt: skip
+            return route
+
+    def _swap(self, old: Route, new: Route) -> None:
+        """Put `new` in every place of `old` (copy on write: other threads read the tables without the lock)."""
+        self._routes = {sig: [new if r is old else r for r in rs] for sig, rs in self._routes.items()}
+        self._families = {family: [new if r is old else r for r in rs] for family, rs in self._families.items()}
 
     def _check_new_shape(self, signature: InputSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call of a shape that no route of its own serves, covered by a polymorphic route of its family: run
@@ -542,6 +659,13 @@ class Target:
         self._count("eager")
         return output
 
+    def _covered(self, signature: InputSignature) -> bool:
+        """True when a family route that holds (and waits for no gate) covers `signature`'s shape."""
+        return any(
+            r.covers(signature, alike_only=bool(self.inner)) and not r.provisional and r.holds() is None
+            for r in self._families.get(signature.family, ())
+        )
+
     def _lookup(self, signature: InputSignature) -> tuple[Route | None, str | None]:
         """The first route of `signature` whose guard holds; else (None, what changed, if it has routes)."""
         routes = self._routes.get(signature)
@@ -618,6 +742,8 @@ class Target:
             self._count("eager")
             return self.original_forward(*args, **kwargs)
         self._count(chosen)
+        if self._context.first_served is None:
+            self._context.first_served = clock()
         return output
 
     # -- the end-to-end gate of reduced precision (`Registration.gate`) ---------------------------------------------
@@ -641,6 +767,7 @@ class Target:
             if route.new_shape_of is not None and route.provisional:
                 route.report.shapes += 1
             route.provisional = False
+            route.replaces = None  # a plan the search found passed: the one it replaces is let go
 
     def demote(self, route: Route, why: str) -> bool:
         """The gate failed with this route among the worst: its fp32 fallback serves it from now on. Where fp32 was
@@ -657,6 +784,15 @@ class Target:
         with self._lock:
             reduced = route.report.chosen
             note = f"{reduced}: {why}"
+            if route.replaces is not None:  # a plan the search after the first plan found: the first plan serves on
+                old, route.replaces, route.provisional = route.replaces, None, False
+                self._swap(route, old)
+                old.report.chosen, old.report.demoted = old.report.first_plan or reduced, note
+                old.report.first_plan = None
+                old.report.search = (
+                    f"{(old.report.search or '').rstrip('.')}; the gate failed it, the first plan serves"
+                )
+                return False
             if route.new_shape_of is not None:
                 # A new shape of a family that serves on: this shape runs eager in this module state, and is not
                 # recorded to tune again (a tuning would offer the same reduced builds, which the gate just failed).
@@ -748,6 +884,7 @@ class Target:
             return
         if self._context.config.retune and self._state in (TargetState.TUNED, TargetState.EAGER):
             self._why = f"re-tuning after a change: {change}"
+            self._off_thread = False  # the caller changed the module: its next call tunes, as the first tuning did
             self._move(TargetState.ARMED, self._reason)
 
     def _accepts_samples(self, signature: InputSignature) -> bool:
@@ -797,8 +934,9 @@ class Target:
     def _tune(self) -> None:
         """Tune every signature with recorded calls. Contained: only KeyboardInterrupt / SystemExit leave it,
         and they leave a working state (routes that hold keep serving; the rest runs eager)."""
-        # Calls recorded while another thread was tuning may already have a route that holds: nothing to tune.
-        for signature in [sig for sig in self.samples if self._lookup(sig)[0] is not None]:
+        # Calls recorded while another thread was tuning may already have a route that holds, or a family route that
+        # covers their shape (checked once at their next call): nothing to tune.
+        for signature in [sig for sig in self.samples if self._lookup(sig)[0] is not None or self._covered(sig)]:
             self.sample_bytes -= sum(sample.nbytes for sample in self.samples.pop(signature))
         waiting = [signature for signature, kept in self.samples.items() if kept]
         # Replays must see the modes their calls saw (autocast, default dtype, ...): a signature recorded under other
@@ -832,6 +970,7 @@ class Target:
             self.sample_bytes = sum(s.nbytes for kept in self.samples.values() for s in kept)
             self._settle(interrupted)
             self._context.progress.finished()
+            self._context.decided_at = clock()
 
     def _groups(self, pending: list[InputSignature]) -> list[tuple[list[InputSignature], bool]]:
         """The signatures to tune together, and whether as one shape family (config.shapes == "family"; calls
@@ -872,10 +1011,15 @@ class Target:
     ) -> None:
         context = self._context
         described = describe_family(signatures)
+        restriction = self.unavailable_reason
+        off_thread = getattr(_OFF_THREAD, "on", False)
+        if off_thread:  # on the worker, while calls are served: only builds from a private copy of the module
+            restriction = self._private_builds_only
         try:
             job = TuningJob(
-                self.module, self.original_forward, samples, context.config, self.unavailable_reason, dynamic, started,
+                self.module, self.original_forward, samples, context.config, restriction, dynamic, started,
                 name=self.name, evidence=context.evidence, baseline=self._through_blocks if self.inner else None,
+                anytime=context.config.anytime,
             )  # fmt: skip
         except NoEvidence as error:
             self._no_evidence = str(error)  # nothing decided: record again, tune when armed again
@@ -895,8 +1039,8 @@ class Target:
             return
         try:
             over = tuple(type(t.module).__qualname__ for t in self.inner)
-            decision = Sourcing(self.name, self.module, self._context, self.unavailable_reason, over).decide(
-                job, signatures, dynamic
+            decision = Sourcing(self.name, self.module, self._context, restriction, over).decide(
+                job, signatures, dynamic, private=off_thread
             )
         except Exception as error:
             reason = f"tuning failed: {summarize(error)}"
@@ -915,6 +1059,24 @@ class Target:
             route.fallback, route.provisional = decision.fallback, context.gate_required
             route.fp32_lost = decision.fp32_lost
         self._add_route(signatures, route)
+        refinement = decision.refinement
+        if refinement is not None and decision.backend is not None:  # anytime: the search after this first plan
+            if decision.source == "tuned":
+                refinement.bind(self, route)
+                context.search(self, refinement)
+            else:
+                refinement.follow(self, route, job)
+
+    def _private_builds_only(self, backend: Backend) -> str | None:
+        """The restriction of a tuning on the worker (`tune_in_background`): what the target rules out, and every
+        backend that builds from the live module (Inductor compiles the module other threads are calling)."""
+        reason = self.unavailable_reason(backend)
+        if reason is None and not backend.builds_privately:
+            reason = (
+                "tuned off the callers' threads (background tuning, or a tuning after all_tuned), which builds only "
+                "from a private copy of the module; this backend compiles the live module"
+            )
+        return reason
 
     def _add_route(self, signatures: list[InputSignature], route: Route) -> None:
         self._no_evidence = None

@@ -22,7 +22,14 @@ from aitune_hf.core import keys as keys_module
 from aitune_hf.core.cache import TuningCache
 from tests.core.modules import MLPBlock
 
-QUICK = {"progress": False, "warmup": 1, "repeats": 3, "min_speedup": 0.0, "backends": ["onnxruntime"]}
+QUICK = {
+    "progress": False,
+    "warmup": 1,
+    "repeats": 3,
+    "min_speedup": 0.0,
+    "backends": ["onnxruntime"],
+    "anytime": False,
+}
 
 
 def _model(seed: int = 0) -> torch.nn.Sequential:

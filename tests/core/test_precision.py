@@ -3,6 +3,8 @@ that sends the worst block back to fp32 until the whole output passes its budget
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -38,10 +40,14 @@ def test_bad_precision_or_quality_is_a_config_error_naming_what_is_valid(fields:
 
 
 def test_fp32_is_the_default_and_offers_the_backends_as_given() -> None:
+    """In fp32 the candidates are the backends as given, each followed by its other forms (OpenVINO's second door)."""
     config = TuningConfig()
     assert config.precision == "fp32" and not config.reduced
     backends = config.resolve_backends()
-    assert with_precisions(backends, config, CPU) == (backends, [])
+    forms = [form for backend in backends for form in (backend, *backend.variants())]
+    offered, skipped = with_precisions(backends, config, CPU)
+    assert [b.describe() for b in offered] == [f.describe() for f in forms] and skipped == []
+    assert all(form.precision == "fp32" for form in offered)
 
 
 def test_auto_offers_what_this_machine_computes_natively_and_names_what_it_skips() -> None:
@@ -158,15 +164,19 @@ class _HalfWork(ReducedPrecisionStandIn):
 
 
 class _DoubleWork(Backend):
-    """An fp32 build that does twice eager's work: it loses."""
+    """An fp32 build that does twice eager's work and then waits `WAIT_S`: it loses on any host, under any load (the
+    wait is no work a loaded core can make slower for the others; on an AMX host the doubled work alone once timed
+    faster than the bf16 stand-in beside it)."""
 
     name = "double_work"
+    WAIT_S = 0.02
 
     def build(self, module: nn.Module, forward, samples):  # type: ignore[no-untyped-def]
         self.builds = getattr(self, "builds", 0) + 1
 
         def fn(*args, **kwargs):  # type: ignore[no-untyped-def]
             forward(*args, **kwargs)
+            time.sleep(self.WAIT_S)
             return forward(*args, **kwargs)
 
         return BuiltBackend(fn=fn)

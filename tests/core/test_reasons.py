@@ -21,7 +21,7 @@ try:  # imported here, not in the test: its imports add warnings filters, which 
 except ImportError:  # diffusers is an extra
     Lumina2Transformer2DModel = None
 
-QUICK = {"progress": False, "warmup": 1, "repeats": 1}
+QUICK = {"progress": False, "warmup": 1, "repeats": 1, "anytime": False}
 
 # What torch.onnx (2.13) raises for a complex input, in miniature: advice first, in terminal colours, with the
 # cause further down and in the chained exceptions.

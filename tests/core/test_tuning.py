@@ -36,7 +36,7 @@ from tests.core.modules import (
     pytree_call,
 )
 
-QUICK = {"progress": False, "warmup": 1, "repeats": 3}
+QUICK = {"progress": False, "warmup": 1, "repeats": 3, "anytime": False}
 
 
 def _config(**overrides: object) -> TuningConfig:

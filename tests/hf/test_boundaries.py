@@ -19,7 +19,7 @@ from aitune_hf.testing import LM_AUTO_CLASSES, build_lm
 
 from .conftest import unpatched
 
-QUICK: dict[str, Any] = {"min_speedup": 0, "progress": False, "warmup": 1, "repeats": 2}
+QUICK: dict[str, Any] = {"min_speedup": 0, "progress": False, "warmup": 1, "repeats": 2, "anytime": False}
 GREEDY: dict[str, Any] = {"max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False}
 
 

@@ -25,7 +25,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 from aitune_hf import AITuneModel, TargetState, register
 from aitune_hf.testing import LM_AUTO_CLASSES, build_lm
 
-QUICK: dict[str, Any] = {"min_speedup": 0, "progress": False, "warmup": 1, "repeats": 2}
+QUICK: dict[str, Any] = {"min_speedup": 0, "progress": False, "warmup": 1, "repeats": 2, "anytime": False}
 GENERATE: dict[str, Any] = {
     "max_new_tokens": 6,
     "min_new_tokens": 6,  # no early stop at eos: every call has 6 steps of logits

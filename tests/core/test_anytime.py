@@ -1,0 +1,282 @@
+"""Anytime tuning (`TuningConfig.anytime`, `aitune_hf/core/refine.py`): the first plan that is correct and beats eager
+clearly serves from the call that tuned; the other cheap candidates are searched on the worker, off the callers'
+threads, and a plan measured faster replaces it only after the same checks (and, in reduced precision, the end-to-end
+gate); identical siblings follow; the cache keeps the final plan only; detaching drops the search; a caller's tuning
+never gives way to a search. Real torch modules; the candidates are test backends whose speed is set by what they wait
+(a wait is no work a loaded host can make slower), so every choice here is the same on any host."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from aitune_hf import TargetState, TuningConfig, register
+from aitune_hf.backends.base import Backend, BuiltBackend, Call
+from tests.quick import QUICK
+
+#: Every call of the eager forward waits this long (the candidates wait less, or nothing).
+EAGER_WAIT_S = 0.03
+ANYTIME: dict[str, Any] = {**QUICK, "anytime": True, "min_speedup": 1.05, "cache": "off"}
+#: The direction a reduced-precision stand-in moves a block's output (4 x 8, as the tests call it).
+DIRECTION = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+
+
+class Waiting(nn.Module):
+    """A linear layer whose eager forward also waits `EAGER_WAIT_S`: what the candidates beat."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+        self.eval()
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(EAGER_WAIT_S)
+        return self.compute(x)
+
+
+class Waits(Backend):
+    """Computes what the block computes, waiting `wait_s` a call; `build_s` to build; `wrong` adds 1 (its check fails);
+    `precision`: what it says it computes in (reduced ones add `error`, relative, to stay within their budget)."""
+
+    builds_privately = True
+
+    def __init__(
+        self, name: str, wait_s: float, build_s: float = 0.0, wrong: bool = False, precision: str = "fp32",
+        error: float = 0.0,
+    ) -> None:  # fmt: skip
+        self.name, self.wait_s, self.build_s, self.wrong = name, wait_s, build_s, wrong
+        self.precision, self.error = precision, error
+        self.builds: list[str] = []  # the thread each build ran in
+
+    def build(self, module: nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
+        self.builds.append(threading.current_thread().name)
+        time.sleep(self.build_s)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            time.sleep(self.wait_s)
+            out = module.compute(x) + (1.0 if self.wrong else 0.0)
+            return out + self.error * out.norm() * DIRECTION / DIRECTION.norm()  # `error` off, relative L2
+
+        return BuiltBackend(fn=fn)
+
+    def built_output(self, reference: torch.Tensor) -> torch.Tensor:
+        """What a build of it returns where eager returns `reference`."""
+        return reference + self.error * reference.norm() * DIRECTION / DIRECTION.norm()
+
+
+def _tune(model: nn.Module, config: dict[str, Any], x: torch.Tensor):
+    """Register, record a call, arm, and make the call that tunes; returns the registration and that call's output."""
+    registration = register(model, config)
+    with torch.no_grad():
+        model(x)
+        registration.tune()
+        out = model(x)
+    return registration, out
+
+
+def test_the_first_plan_serves_from_the_call_that_tuned_and_the_search_switches_to_a_faster_one() -> None:
+    """The first cheap candidate wins by far on its check: it serves from the call that tuned, with no timed rounds
+    there; the other is built on the worker, timed beside it, and serves once measured faster. Every call equals eager;
+    the report names the first plan and what the search did, and the registration gives both figures (first tuned call,
+    final plan)."""
+    model, x = Waiting(), torch.randn(4, 8)
+    first, faster = Waits("first_plan", 0.008), Waits("faster", 0.0)
+    registration, out = _tune(model, {**ANYTIME, "backends": [first, faster]}, x)
+    target = registration.targets["Waiting"]
+    assert target.state is TargetState.TUNED and target.report().backend == "first_plan", registration.report()
+    assert faster.builds == [] or all("aitune_hf worker" in name for name in faster.builds)
+    torch.testing.assert_close(out, model.compute(x))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model.compute(x))
+    assert registration.all_tuned  # decided: what serves may still be replaced by a faster plan
+    assert registration.wait(timeout=60) and registration.searching == 0
+    assert all("aitune_hf worker" in name for name in faster.builds) and len(faster.builds) == 1
+    with torch.no_grad():
+        served = model(x)
+    torch.testing.assert_close(served, model.compute(x))
+    assert target.calls_served.get("faster", 0) >= 1, registration.report()
+    (signature,) = target.report().signatures
+    assert signature.chosen == "faster" and signature.first_plan == "first_plan"
+    assert "replaced the first plan, first_plan" in signature.search
+    figures = {c.backend: c for c in signature.candidates}
+    assert figures["faster"].speedup > figures["first_plan"].speedup > 1.05 and figures["first_plan"].rounds > 0
+    plans = registration.plan_seconds
+    assert 0 < plans["first_tuned_s"] <= plans["final_plan_s"], plans
+    text = str(registration.report())
+    assert "first tuned call" in text and "final plan" in text and "replaced the first plan" in text
+    registration.detach()
+
+
+def test_a_faster_candidate_that_fails_its_check_never_serves_and_the_first_plan_serves_on() -> None:
+    model, x = Waiting(), torch.randn(4, 8)
+    wrong = Waits("fast_but_wrong", 0.0, wrong=True)
+    registration, _ = _tune(model, {**ANYTIME, "backends": [Waits("first_plan", 0.008), wrong]}, x)
+    assert registration.wait(timeout=60)
+    target = registration.targets["Waiting"]
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(x), model.compute(x))
+    assert target.calls_served.get("fast_but_wrong", 0) == 0 and target.report().backend == "first_plan"
+    (signature,) = target.report().signatures
+    assert "wrong output" in next(c.error for c in signature.candidates if c.backend == "fast_but_wrong")
+    assert "first_plan stays the fastest" in signature.search
+    registration.detach()
+
+
+@pytest.mark.parametrize("passes", [True, False])
+def test_a_reduced_plan_the_search_found_serves_once_the_gate_passes_it_and_the_first_plan_comes_back_if_not(
+    passes: bool,
+) -> None:
+    """Where the gate is required (the Hugging Face layer), a reduced-precision plan the search found waits for it:
+    the first plan serves meanwhile; passed, the new plan serves; failed, the first plan serves on, for good, and the
+    report says why."""
+    model, x = Waiting(), torch.randn(4, 8)
+    bf16 = Waits("bf16_plan", 0.008, precision="bf16", error=0.001)
+    int8 = Waits("int8_plan", 0.0, precision="int8", error=0.02)
+    config = {**ANYTIME, "backends": [bf16, int8], "precision": ["bf16", "int8"], "quality": {"cosine": 0.99}}
+    registration = register(model, config)
+    registration.gate_required = True
+    registration.config.quality = {"cosine": 0.99 if passes else 0.99999999}
+    with torch.no_grad():
+        model(x)
+        registration.tune()
+        model(x)  # tunes: the bf16 first plan waits for the gate (eager serves it meanwhile)
+        reference = model.compute(x)
+        bf16_gate = registration.gate(reference, lambda: model(x))
+    target = registration.targets["Waiting"]
+    if not passes:  # the bf16 first plan fails such a budget too: nothing reduced serves, and no search runs
+        assert not bf16_gate.passed
+        assert registration.wait(timeout=60)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), reference, atol=0, rtol=0)
+        registration.detach()
+        return
+    registration.config.quality = {"cosine": 0.9999}  # int8's error (0.02) fails it, bf16's (0.001) passes
+    assert registration.wait(timeout=60) and registration.waiting_for_gate  # the search found int8: it waits
+    with torch.no_grad():
+        before = target.calls_served.get("bf16_plan", 0)
+        model(x)  # the first plan serves while the new one waits for its gate
+        assert target.calls_served["bf16_plan"] == before + 1
+        figure = registration.gate(reference, lambda: model(x))
+        served = model(x)
+    assert figure is not None and not figure.passed  # int8's figure: it was sent back, the bf16 plan serves on
+    assert target.report().backend == "bf16_plan" and not registration.waiting_for_gate, registration.report()
+    assert torch.allclose(served, bf16.built_output(reference))
+    (signature,) = target.report().signatures
+    assert signature.demoted.startswith("int8_plan: min cosine") and "the first plan serves" in signature.search
+    registration.detach()
+
+
+def test_a_reduced_plan_the_search_found_serves_once_the_gate_passes_it() -> None:
+    model, x = Waiting(), torch.randn(4, 8)
+    bf16 = Waits("bf16_plan", 0.008, precision="bf16", error=0.001)
+    int8 = Waits("int8_plan", 0.0, precision="int8", error=0.002)
+    registration = register(model, {**ANYTIME, "backends": [bf16, int8], "precision": ["bf16", "int8"]})
+    registration.gate_required = True
+    registration.config.quality = {"cosine": 0.99}
+    target = registration.targets["Waiting"]
+    with torch.no_grad():
+        model(x)
+        registration.tune()
+        model(x)
+        reference = model.compute(x)
+        assert registration.gate(reference, lambda: model(x)).passed
+        assert registration.wait(timeout=60) and registration.waiting_for_gate
+        assert registration.gate(reference, lambda: model(x)).passed
+        before = target.calls_served.get("int8_plan", 0)
+        served = model(x)
+    assert target.calls_served["int8_plan"] == before + 1 and torch.allclose(served, int8.built_output(reference))
+    assert target.report().signatures[0].first_plan == "bf16_plan" and not registration.waiting_for_gate
+    registration.detach()
+
+
+def test_identical_siblings_follow_the_search_of_the_first() -> None:
+    """The second block takes the first one's decision (checked on its own calls) and follows its search: once it
+    ends, both serve the faster plan, each built with its own weights and checked against its own eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Waiting(), Waiting()).eval()
+    with torch.no_grad():
+        model[1].fc.weight.mul_(0.5)
+    x = torch.randn(4, 8)
+    faster = Waits("faster", 0.0)
+    registration, _ = _tune(model, {**ANYTIME, "backends": [Waits("first_plan", 0.008), faster]}, x)
+    assert registration.targets["1"].report().signatures[0].shared_from == "0"
+    assert registration.wait(timeout=60)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model[1].compute(model[0].compute(x)))
+    for target in registration.targets.values():
+        assert target.calls_served.get("faster", 0) >= 1, registration.report()
+        assert target.report().signatures[0].first_plan == "first_plan"
+    assert len(faster.builds) == 2  # the first's search built it, and again for the second with its own weights
+    registration.detach()
+
+
+def test_detach_drops_a_search_in_flight_and_restores_every_forward() -> None:
+    model, x = Waiting(), torch.randn(4, 8)
+    slow = Waits("slow_to_build", 0.0, build_s=1.5)
+    registration, _ = _tune(model, {**ANYTIME, "backends": [Waits("first_plan", 0.008), slow]}, x)
+    deadline = time.monotonic() + 30
+    while not slow.builds and time.monotonic() < deadline:  # the search is building it
+        time.sleep(0.01)
+    registration.detach()
+    assert "forward" not in model.__dict__
+    assert registration.wait(timeout=60)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model.compute(x))
+    assert registration.searching == 0
+    assert registration.report().modules["Waiting"].signatures[0].search.startswith("dropped")
+
+
+def test_the_cache_keeps_the_final_plan_only(tmp_path) -> None:
+    """While the search goes on nothing is written for the decision (its first plan is no final decision); once it ends,
+    the final one is, and a new registration of the same block starts from it, with no search."""
+    backends = [Waits("first_plan", 0.008), Waits("faster", 0.0)]
+    config = {**ANYTIME, "backends": backends, "cache": "rw", "cache_dir": str(tmp_path)}
+    model, x = Waiting(), torch.randn(4, 8)
+    registration, _ = _tune(model, config, x)
+    assert registration.wait(timeout=60)
+    assert registration.cache is not None and registration.cache.stats.misses == 1
+    registration.detach()
+    again, _ = _tune(Waiting(), config, x)
+    (signature,) = again.targets["Waiting"].report().signatures
+    assert signature.from_cache is not None and signature.chosen == "faster", again.report()
+    assert again.searching == 0 and signature.search is None
+    again.detach()
+
+
+def test_a_callers_tuning_waits_for_a_search_step_and_is_never_skipped() -> None:
+    """One tuning at a time in the process: a caller that finds a search step building (another registration's)
+    waits for that step and tunes in its own call, where it once ran eager and stayed armed."""
+    model, x = Waiting(), torch.randn(4, 8)
+    slow = Waits("slow_to_build", 0.0, build_s=1.0)
+    first, _ = _tune(model, {**ANYTIME, "backends": [Waits("first_plan", 0.008), slow]}, x)
+    deadline = time.monotonic() + 30
+    while not slow.builds and time.monotonic() < deadline:
+        time.sleep(0.01)
+    other = Waiting()
+    second, out = _tune(other, {**QUICK, "backends": [Waits("other", 0.0)], "min_speedup": 1.05}, x)
+    assert second.targets["Waiting"].state is TargetState.TUNED, second.report()
+    torch.testing.assert_close(out, other.compute(x))
+    assert first.wait(timeout=60)
+    first.detach()
+    second.detach()
+
+
+def test_anytime_off_tries_every_candidate_in_the_call_that_tunes() -> None:
+    model, x = Waiting(), torch.randn(4, 8)
+    faster = Waits("faster", 0.0)
+    registration, _ = _tune(model, {**ANYTIME, "anytime": False, "backends": [Waits("first_plan", 0.008), faster]}, x)
+    assert registration.targets["Waiting"].report().backend == "faster" and registration.searching == 0
+    assert faster.builds and "aitune_hf worker" not in faster.builds[0]
+    assert TuningConfig().anytime is True
+    registration.detach()
