@@ -5,7 +5,8 @@ quality budget (`Registration.gate`). A whole call (`WholeCall`) keeps a copy of
 are armed or family routes may meet new shapes; at its end:
 
 - the call that tuned a reduced-precision decision in the foreground replays itself and gates it: that caller pays
-  for the gate as it paid for the tuning;
+  for the gate as it paid for the tuning; a decision tuned on the worker (after `all_tuned`), and a plan the search
+  after a first plan found (`core/refine.py`), are gated on the worker, after a whole call that met them;
 - new shapes a family route covers are not checked in the call (`CallNotes.defer`): they run eager, and the call's
   replay checks them off the caller's thread, on the registration's worker (`Registration.worker`), then gates
   what came out reduced. The caller pays for a plain call: measured on real MiniLM under sentence-transformers,
@@ -132,10 +133,12 @@ class WholeCall:
         registration, notes = self.registration, self.notes
         if self.snapshot is None:
             return
-        background = registration.background is not None
-        if not background and any(r.provisional and r.new_shape_of is None for _, r in notes.met):
-            gate(registration, self.call, self.snapshot)  # the call that tuned pays for the gate, as for the tuning
-        if notes.deferred or (background and any(r.provisional for _, r in notes.met)):
+        # The call that tuned pays for the gate of what it tuned, as for the tuning; every other gate (a decision tuned
+        # on the worker, a plan the search after a first plan found, new shapes) runs on the worker.
+        here = registration.background is None and notes.tuned_s > 0
+        if here and any(r.provisional and r.new_shape_of is None for _, r in notes.met):
+            gate(registration, self.call, self.snapshot)
+        if notes.deferred or (not here and any(r.provisional for _, r in notes.met)):
             deferred = list(notes.deferred)
             registration.worker.submit_check(
                 f"a whole call with {len(deferred)} new shape(s)" if deferred else "the gate of a whole call",

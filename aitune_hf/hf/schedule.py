@@ -156,12 +156,16 @@ class Schedule:
                 self._move(Phase.SERVING)
             if calls == self.tune_after_calls and self._phase is Phase.RECORDING:
                 self._move(Phase.ARMED)
+        # Once every target was decided (SERVING, or DESCENDED), what arms tunes on the worker: no call tunes inside
+        # itself after `all_tuned` (the blocks a descent added, new shape families); a re-tune after a change the user
+        # made (a LoRA scale, a weight edit) still tunes in the call that meets it (`Target._changed`).
+        off_thread = self._phase is not Phase.RECORDING and self._phase is not Phase.ARMED
         if calls == self.tune_after_calls:
-            registration.tune(f"whole call {calls} of {self.owner} done (tune_after_calls={calls})")
+            registration.tune(f"whole call {calls} of {self.owner} done (tune_after_calls={calls})", off_thread)
         elif due and self.automatic:
-            registration.tune(f"whole call {calls} of {self.owner} done (re-armed to tune what changed)")
+            registration.tune(f"whole call {calls} of {self.owner} done (re-armed to tune what changed)", off_thread)
         elif self._new_shapes_waiting():
-            registration.tune(f"new input shapes recorded in whole call {calls} of {self.owner}")
+            registration.tune(f"new input shapes recorded in whole call {calls} of {self.owner}", off_thread)
 
     def _new_shapes_waiting(self) -> bool:
         """True when a decided target has recorded calls that no route serves (a new shape family, or a shape its
@@ -219,4 +223,5 @@ class Schedule:
             )
             registration.tune(f"call {count} of {target} (tune_after_calls={after})")
         elif count > after + 1 and self._new_shapes_waiting():
-            registration.tune(f"new input shapes recorded in call {count} of {target}")
+            off_thread = self._phase is not Phase.RECORDING and registration.all_tuned
+            registration.tune(f"new input shapes recorded in call {count} of {target}", off_thread)

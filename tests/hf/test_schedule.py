@@ -17,7 +17,8 @@ NOTHING_TO_TRY: dict[str, Any] = {"backends": [], "progress": False}
 
 
 def _phases(targets: str, calls: int, **options: Any) -> tuple[list[tuple[Phase, dict[str, int]]], Schedule]:
-    """The schedule's phase and the targets' states after each of `calls` whole calls."""
+    """The schedule's phase and the targets' states after each of `calls` whole calls (and what they left on the
+    worker: once every target was decided, what arms tunes there, never in a caller's call)."""
     torch.manual_seed(0)
     model = TwoBlocks().eval()
     registration = aitune_hf.enable_aitune(model, targets, **NOTHING_TO_TRY, **options)
@@ -25,7 +26,11 @@ def _phases(targets: str, calls: int, **options: Any) -> tuple[list[tuple[Phase,
     seen = []
     with torch.no_grad():
         for _ in range(calls):
+            tuned, serving = [t.tuning_seconds for t in registration.targets.values()], schedule.phase is Phase.SERVING
             model(torch.randn(2, 8))
+            if serving:  # every target was decided before this call: it tunes nothing inside itself, the worker does
+                assert [t.tuning_seconds for t in registration.targets.values()][: len(tuned)] == tuned
+            assert registration.wait(timeout=60)
             seen.append((schedule.phase, registration.state_counts))
     model.disable_aitune()
     return seen, schedule
@@ -46,7 +51,7 @@ def test_auto_mode_descends_into_the_blocks_of_an_eager_component_and_arms_them_
         (Phase.ARMED, {"armed": 1}),  # the model as one component
         (Phase.DESCENDED, {"eager": 1, "idle": 2}),  # it stayed eager: its two blocks get targets beneath it
         (Phase.SERVING, {"eager": 1, "armed": 2}),  # they recorded in this call; its end armed them
-        (Phase.SERVING, {"eager": 3}),
+        (Phase.SERVING, {"eager": 3}),  # this call ran eager; the worker tuned them
     ]
 
 
