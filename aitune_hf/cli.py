@@ -313,9 +313,14 @@ def _tune_and_check(work: Workload, args: argparse.Namespace, out: Any) -> tuple
         say("")
         say(details(report.to_dict()))
     say("")
+    plans = ""
+    if session.first_tuned_seconds is not None:
+        plans = f"; first tuned call {session.first_tuned_seconds:.1f} s after enable_aitune"
+        if session.final_plan_seconds is not None:
+            plans += f", final plan after {session.final_plan_seconds:.1f} s"
     say(
         f"tuning: {session.tuning_call_seconds:.1f} s wall in the tuning call; prepare {session.prepare_seconds:.1f} s "
-        f"(enable_aitune, recording and tuning calls); {report.tuning_seconds:.1f} s summed over targets"
+        f"(enable_aitune, recording and tuning calls){plans}; {report.tuning_seconds:.1f} s summed over targets"
     )
     budget = session.quality or f"atol {session.atol:g}"  # reduced precision: its end-to-end quality budget
     say(
@@ -498,7 +503,12 @@ def format_report(data: dict[str, Any]) -> str:
         raise UserInputError(str(error)) from None
     lines = []
     line = ""
-    for item in (f"{k}: {_fact(v)}" for k, v in data.items() if k not in TuningReport.KEYS):
+    items = [f"{k}: {_fact(v)}" for k, v in data.items() if k not in TuningReport.KEYS and k not in _CHECK_FACTS]
+    if isinstance(data.get("max_abs_diff"), int | float):  # the check on one line: the difference, and what held it
+        budget = data.get("check_quality") or f"within atol {_fact(data.get('atol'))}"
+        verdict = "passed" if data.get("passed") else "FAILED"
+        items.append(f"check: max abs diff {_fact(data['max_abs_diff'])}, {verdict} by {budget}")
+    for item in items:
         if line and len(line) + 2 + len(item) > 120:
             lines.append(line)
             line = ""
@@ -510,6 +520,10 @@ def format_report(data: dict[str, Any]) -> str:
         lines.append(f"end-to-end method: {e2e['method']}")
     lines.append(str(report))
     return "\n".join(lines)
+
+
+#: The facts of a run's check, printed together on one line by `format_report` (`SessionResult.facts`).
+_CHECK_FACTS = ("max_abs_diff", "atol", "passed", "check_quality")
 
 
 def _fact(value: Any) -> str:

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 pytest.importorskip("onnxruntime")
 
-from aitune_hf import hardware, testing  # noqa: E402
+from aitune_hf import TuningReport, hardware, testing  # noqa: E402
 from aitune_hf.cli import main  # noqa: E402
 
 QUICK = ["--repeats", "3", "--warmup", "1", "--rounds", "2", "--no-progress"]
@@ -146,6 +146,22 @@ def test_report_of_a_to_json_with_a_quality_figure_prints_no_raw_dict(tmp_path: 
     assert not [line for line in lines if re.search(r"\{'|\{\"|': ", line)], "\n".join(lines)
     shown = [line for line in lines if line.startswith("quality: ") or "; quality: " in line]
     assert len(shown) == 1 and "min cosine" in shown[0] and "against fp32 eager" in shown[0], "\n".join(lines)
+
+
+def test_a_saved_runs_check_reads_as_one_line_with_what_held_it(tmp_path: Path, capsys) -> None:
+    """Issue 46: `max_abs_diff: 0.0202  atol: 0.001  passed: True` read as a failure; a reduced-precision run's check is
+    held by its quality budget, and the line says so beside the difference."""
+    facts = {"max_abs_diff": 0.0202, "atol": 0.001, "passed": True,
+             "check_quality": "min cosine 0.9991 (>= 0.995, for 0.99 on every call)"}  # fmt: skip
+    for extra, expected in (
+        (facts, "check: max abs diff 0.0202, passed by min cosine 0.9991 (>= 0.995, for 0.99 on every call)"),
+        ({**facts, "check_quality": None, "max_abs_diff": 3e-6}, "check: max abs diff 3e-06, passed by within atol"),
+    ):
+        path = tmp_path / "saved.json"
+        path.write_text(json.dumps({**TuningReport({}).to_dict(), **extra}))
+        assert main(["report", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert expected in out and "atol: " not in out and "passed: " not in out, out
 
 
 class _Console(io.StringIO):

@@ -212,9 +212,9 @@ class TuningReport:
     #: The end-to-end quality gate of reduced precision (`Registration.gate`): metric, value, budget, passed, kind,
     #: demoted (the blocks it sent back to fp32), replays; None when no reduced-precision decision was gated.
     quality: dict[str, Any] | None = None
-    #: Anytime tuning (`Registration.plan_seconds`): seconds from registration to the first call a tuned backend served
-    #: (`first_tuned_s`) and to the final plan (`final_plan_s`, None while the search goes on), and the searches after
-    #: first plans still going on (`searching`); None before any.
+    #: Anytime tuning (`Registration.plan_seconds`): seconds from registration to the first tuned call (`first_tuned_s`:
+    #: every target called had a decision) and to the final plan (`final_plan_s`, None while the search goes on), and
+    #: the searches after first plans still going on (`searching`); None before any.
     plans: dict[str, Any] | None = None
 
     #: The keys of `to_dict()`, which `from_dict` reads back; anything else in a saved report is its writer's own facts
@@ -249,6 +249,9 @@ class TuningReport:
                 note += f"decision and timings {source.source_text}"
                 if source.source == "cache":
                     note += " (winner built alone, checked against eager)"
+                owner = self.modules.get(source.shared_from or "")
+                if owner is not None and owner.backend != report.backend:  # the gate or a change moved one of them
+                    note += f", which serves {owner.backend} now"
             shapes = sum(s.shapes for s in report.signatures if s.chosen != "eager")
             checks = sum(s.shape_checks for s in report.signatures)
             if checks or shapes > len(report.signatures):
@@ -285,11 +288,18 @@ class TuningReport:
             for search in dict.fromkeys(s.search for s in report.signatures if s.search):
                 note = f"{note}; " if note else ""
                 note += search
+            state = report.state
+            eager, served = report.calls.get("eager", 0), sum(n for k, n in report.calls.items() if k != "eager")
+            if state == "tuned" and eager > served:  # tuned for some shapes; most of its calls ran eager
+                state = "tuned/eager"
+                note = f"{note}; " if note else ""
+                note += (f"eager served {eager} of its {eager + served} calls (shapes not tuned, waiting for their "
+                         "check, or in another module state)")  # fmt: skip
             rows.append(
                 [
                     report.name,
                     report.module_class,
-                    report.state,
+                    state,
                     report.backend,
                     report.precision,
                     _ms(report.eager_latency_s),
@@ -358,6 +368,9 @@ class TuningReport:
                         f"+ timing {phases['timing_s']:.1f}"
                     )
             lines.append(f"tuning seconds: {'; '.join(parts)}")
+        skipped = self.not_built()
+        if skipped:
+            lines.append("not built: " + "; ".join(f"{backend} ({why})" for backend, why in skipped.items()))
         if self.cache:
             lines.append(self.cache)
         for name, report in self.descended.items():
@@ -393,6 +406,19 @@ class TuningReport:
                 + ("never pays off" if calls is None else f"paid off after {calls} call(s)"),
             )
         return lines
+
+    def not_built(self) -> dict[str, str]:
+        """The candidates no target built (skipped: a clear winner, the evidence, the budget; or unavailable here), each
+        with the first reason given: what the tuning seconds do not show (a demo that names Inductor among its
+        candidates, and never builds it)."""
+        built = set(self.seconds_split())
+        reasons: dict[str, str] = {}
+        for report in [*self.modules.values(), *self.descended.values()]:
+            for signature in report.signatures:
+                for c in signature.candidates:
+                    if c.backend not in built and c.error and c.build_seconds is None:
+                        reasons.setdefault(c.backend, c.error.removeprefix("skipped: "))
+        return reasons
 
     def plan_line(self) -> str | None:
         """When tuned calls began and when the plan that serves was settled: "plans: first tuned call 8.1 s after

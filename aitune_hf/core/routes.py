@@ -14,12 +14,12 @@ route table is published on every change).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aitune_hf.backends.base import Backend, BuiltBackend
 from aitune_hf.core.guards import ModuleGuard
 from aitune_hf.core.report import SignatureReport
-from aitune_hf.core.signature import InputSignature, covers, same_unit_dims
+from aitune_hf.core.signature import InputSignature, covers, describe_family, same_unit_dims
 
 
 @dataclass(eq=False)
@@ -52,6 +52,17 @@ class Route:
     #: Whether its guard held when last checked: a route whose guard just failed is not started before its check
     #: (`Target._start`), until it holds again.
     held: bool = True
+    #: The shapes it serves (those it was tuned on, then each new one admitted after its check): what its report's
+    #: signature describes (`admit`).
+    served: list[InputSignature] = field(default_factory=list)
+
+    def admit(self, signature: InputSignature) -> None:
+        """A new shape passed its check: it is served from now on, and the report's signature covers it (a family's
+        row reads "32x39..122", not the one shape a second tuning of it was made on)."""
+        self.report.shapes += 1
+        if signature not in self.served:
+            self.served.append(signature)
+            self.report.signature = describe_family(self.served)
 
     def holds(self) -> str | None:
         """None when this route may serve now, else what changed."""

@@ -131,6 +131,9 @@ def test_a_reduced_decision_waits_for_the_gate_which_sends_the_worst_block_back_
     assert registration.targets["0"].calls_served["reduced_stand_in"] >= 1
     text = str(registration.report())
     assert "quality: min cosine" in text and "1 block(s) sent back to fp32 (1)" in text
+    # The block sent back shares the decision of block 0, which still serves reduced: its row says so (issue 46).
+    row = next(line for line in text.splitlines() if line.startswith("1 "))
+    assert "decision and timings shared with 0, which serves reduced_stand_in now" in row, row
     assert "(>= 0.995, for 0.99 on every call) against fp32 eager" in text
     assert "sent back to fp32 by the end-to-end quality gate: reduced_stand_in: min cosine" in text
     registration.detach()
@@ -280,6 +283,7 @@ def test_a_reduced_polymorphic_build_serves_a_new_shape_that_its_per_block_filte
     assert 0.01 < (served - reference).norm() / reference.norm() < 0.03  # the build's output, 2% off eager
     (signature,) = target.report().signatures
     assert signature.shapes_rejected == [] and signature.shape_checks == 1, registration.report()
+    assert signature.signature.startswith("float32[4..9x32]") and signature.shapes == 3  # the family it serves
     with torch.no_grad():  # 11 rows: the new shape's check fails, and it runs eager for good
         wide = torch.randn(11, 32)
         with registration.bypass():

@@ -67,3 +67,17 @@ def test_compact_backend_keeps_every_option() -> None:
     live, autotune = OnnxRuntimeBackend(weights="live", kernels="fused"), InductorBackend(mode="max-autotune")
     wide = f"{live.describe()}+{autotune.describe()}"
     assert compact_backend(wide, width=20) == "ort(weights=live, fused)+inductor(mode=max-autotune)"
+
+
+def test_a_row_whose_calls_ran_eager_mostly_says_both_states_and_why() -> None:
+    """Issue 46: a target tuned for one shape family whose calls ran eager most of the time (its other shapes) reads
+    "tuned/eager" with the count, not "tuned"."""
+    mostly_eager = ModuleReport("encoder.layer.0", "BertLayer", "tuned", signatures=[_signature("(f32[1,8])", INT8,
+                                "int8")], calls={"eager": 70, INT8.describe(): 30})  # fmt: skip
+    mostly_served = ModuleReport("encoder.layer.1", "BertLayer", "tuned", signatures=[_signature("(f32[1,8])", INT8,
+                                 "int8")], calls={"eager": 3, INT8.describe(): 97})  # fmt: skip
+    table = str(TuningReport({m.name: m for m in (mostly_eager, mostly_served)})).splitlines()
+    first = next(line for line in table if line.startswith("encoder.layer.0"))
+    second = next(line for line in table if line.startswith("encoder.layer.1"))
+    assert "tuned/eager" in first and "eager served 70 of its 100 calls" in first, first
+    assert "tuned/eager" not in second and "eager served" not in second, second
