@@ -17,6 +17,14 @@ import torch
 # The persistent cache is on by default (in the user's cache folder): the suite turns it off so that no test
 # starts warm from another's decisions (or from a developer's own cache). Cache tests pass cache_dir explicitly.
 os.environ["AITUNE_HF_CACHE"] = "off"
+# The suite leaves nothing behind (issue 46): Inductor's on-disk cache and Ray's session folder go to one temporary
+# folder, made by the first process (the xdist workers inherit it) and removed by it at the end (`pytest_unconfigure`).
+if "AITUNE_HF_TEST_TMP" not in os.environ:
+    import tempfile
+
+    os.environ["AITUNE_HF_TEST_TMP"] = tempfile.mkdtemp(prefix="aitune_hf_tests_")
+    os.environ["AITUNE_HF_TEST_TMP_OWNER"] = str(os.getpid())
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ["AITUNE_HF_TEST_TMP"], "inductor"))
 
 #: Loggers whose levels every test must leave as it found them ("" is the root logger).
 WATCHED_LOGGERS = ("", "torch.onnx", "onnxscript", "onnx_ir", "torch.export", "torch._export")
@@ -77,6 +85,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return module if module in WHOLE_MODULES else nodeid
 
     return WholeModules(config, log)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if os.environ.get("AITUNE_HF_TEST_TMP_OWNER") == str(os.getpid()):
+        import shutil
+
+        shutil.rmtree(os.environ["AITUNE_HF_TEST_TMP"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

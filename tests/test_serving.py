@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,9 @@ def _call(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def cluster() -> Any:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # Its session folder in the suite's temporary folder (removed at the end), not in /tmp/ray.
+    folder = tempfile.mkdtemp(prefix="ray", dir=os.environ.get("AITUNE_HF_TEST_TMP"))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False, _temp_dir=folder)
     serve.start(proxy_location="Disabled")
     yield
     serve.shutdown()

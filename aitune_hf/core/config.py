@@ -53,7 +53,7 @@ class TuningConfig:
         trigger: "manual" (tune when `Registration.tune()` arms it) or "after_calls=N" (arm itself after
             recording N calls).
         share_identical: identical siblings reuse the first one's decision (checked for correctness only).
-        progress: show a tqdm progress bar over targets while tuning.
+        progress: show a tqdm progress bar over targets while tuning (drawn only where stderr is a terminal).
         max_routes: at most this many built routes per target: one per input signature and guarded module
             state; beyond it, calls in a new state run eager and the report says why.
         weight_check: how the values of weights a backend baked are verified before each call it serves.

@@ -347,7 +347,22 @@ def build_pixart_pipeline(folder: str | Path, size: str = "tiny", seed: int = 0)
 _BUILDERS = {"sd": build_sd_pipeline, "flux": build_flux_pipeline, "pixart": build_pixart_pipeline}
 
 
-def build_pipeline(family: str, folder: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Build the random pipeline of ``family`` (one of ``FAMILIES``) into ``folder`` and return the folder."""
+def build_pipeline(family: str, folder: str | Path | None = None, size: str = "tiny", seed: int = 0) -> Path:
+    """Build the random pipeline of ``family`` (one of ``FAMILIES``) into ``folder`` and return the folder. With no
+    ``folder``, into a new temporary folder that is removed when the process exits (nothing is left in the current
+    folder, or anywhere else)."""
     _check_family(family)
+    if folder is None:
+        folder = Path(_temporary_folder(f"aitune_hf_{family}_")) / family
     return _BUILDERS[family](folder, size=size, seed=seed)
+
+
+def _temporary_folder(prefix: str) -> str:
+    """A new temporary folder, removed at process exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder

@@ -11,6 +11,7 @@ block cannot be pickled, or the build process fails or ends, `WorkerBuild.export
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import pickle
@@ -26,6 +27,7 @@ import torch.utils._pytree as pytree
 
 from aitune_hf.backends.base import run_in_build_process
 from aitune_hf.backends.onnx.export import export_flat, exporting, private_twin, trace_flat
+from aitune_hf.errors import TuningError
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +88,12 @@ class WorkerBuild:
         finish: Finish,
     ) -> WorkerBuild | None:
         """Trace the call (`export.trace_flat`, the first of `attempts` that traces: the program OpenVINO's PyTorch
-        frontend reads), then `finish(folder, program, *args)`: all in the build process. No ONNX model is made."""
+        frontend reads), then `finish(folder, program, *args)`: all in the build process. No ONNX model is made.
+        Raises `TuningError` (with what failed) where the block cannot go there or the trace or `finish` failed."""
         job = cls._job(module, forward, layout, attempts, None, raw=False)
         if job is None:
-            return None
-        return cls._call({**job, "form": "program"}, None, finish)
+            raise TuningError("the block cannot be pickled for the build process")
+        return cls._call({**job, "form": "program"}, None, finish, strict=True)
 
     @classmethod
     def _job(
@@ -130,8 +133,12 @@ class WorkerBuild:
         return cls._call(None, source, finish)
 
     @classmethod
-    def _call(cls, job: dict[str, Any] | None, source: Any, finish: Finish | None) -> WorkerBuild | None:
+    def _call(
+        cls, job: dict[str, Any] | None, source: Any, finish: Finish | None, strict: bool = False
+    ) -> WorkerBuild | None:
         folder = Path(tempfile.mkdtemp(prefix="aitune_hf_onnx_build_"))
+        # Removed by `remove` once the runtime has what it needs; and at exit, whatever still holds it then.
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
         try:
             if source is not None and not isinstance(source, Path):
                 import onnx
@@ -142,6 +149,8 @@ class WorkerBuild:
             made = run_in_build_process(build_in_worker, str(folder), job, where, finish)
         except Exception:
             shutil.rmtree(folder, ignore_errors=True)
+            if strict:  # the caller has no other way to build it (`trace`): what failed is the build's reason
+                raise
             logger.debug("aitune_hf: the build process did not build this block; building it here", exc_info=True)
             return None
         return cls(folder, made)
