@@ -8,8 +8,9 @@ array, `run_session` makes:
 2. `obj.enable_aitune(targets, **enable_kwargs)`;
 3. the recording call (every target runs eager and records its inputs; the mixin arms tuning at its end);
 4. the tuning call, and at most `max_extra_calls` more while `registration.all_tuned` is False or the registration
-   is `settling` (a target that did not run in a call tunes in the next; `targets="auto"` records and tunes the
-   blocks of the components that stayed eager in two more calls);
+   is `settling` (a target that did not run in a call tunes in the next; `targets="auto"` records the blocks of the
+   components that stayed eager in one more call, and the worker tunes them after the next); then the wait for the
+   search after the first plans on the worker (anytime tuning: `first_tuned_seconds`, `final_plan_seconds`);
 5. the tuned call (timed; its output is checked against the reference);
 6. optionally `obj.measure_aitune(**call_kwargs, rounds=rounds)`: interleaved eager and tuned whole calls,
    recorded in the report as the end-to-end speed-up.
@@ -24,7 +25,7 @@ Example (a tiny random pipeline; nothing is downloaded):
     from aitune_hf import AITunePipeline, testing
     from aitune_hf.session import run_session
 
-    pipe = AITunePipeline.from_pretrained(testing.build_pipeline("sd", "/tmp/sd_tiny"))
+    pipe = AITunePipeline.from_pretrained(testing.build_pipeline("sd"))
     pipe.set_progress_bar_config(disable=True)
     kwargs = {**testing.default_call_kwargs("sd"), "output_type": "np"}
 
@@ -96,6 +97,10 @@ class SessionResult:
     tuning_calls: int
     tuned_call_seconds: float
     prepare_seconds: float  # enable + recording call + tuning calls: from enable_aitune until tuned
+    #: Seconds from enable_aitune to the first call a tuned backend served, and to the final plan (anytime tuning: the
+    #: search after the first plans ended, on the worker; `Registration.plan_seconds`); None where none was reached.
+    first_tuned_seconds: float | None
+    final_plan_seconds: float | None
     end_to_end: dict[str, Any] | None  # what measure_aitune returned; None without rounds, or when not all tuned
     max_abs_diff: float
     atol: float
@@ -114,6 +119,8 @@ class SessionResult:
             "tuning_calls": self.tuning_calls,
             "tuned_call_seconds": self.tuned_call_seconds,
             "prepare_seconds": self.prepare_seconds,
+            "first_tuned_seconds": self.first_tuned_seconds,
+            "final_plan_seconds": self.final_plan_seconds,
             "max_abs_diff": self.max_abs_diff,
             "atol": self.atol,
             "passed": self.passed,
@@ -165,6 +172,7 @@ def run_session(
         f"tuning call: {tuning_call_seconds:.1f} s wall ({calls} call(s)); "
         f"states: {format_counts(registration.state_counts)}"
     )
+    plans = _final_plan(registration, say)
     with Stopwatch() as tuned:
         tuned_output = np.asarray(run())
     say(f"tuned call ({inputs}): {tuned.seconds:.3f} s")
@@ -183,6 +191,8 @@ def run_session(
         tuning_calls=calls,
         tuned_call_seconds=tuned.seconds,
         prepare_seconds=prepare.seconds,
+        first_tuned_seconds=plans["first_tuned_s"],
+        final_plan_seconds=plans["final_plan_s"],
         end_to_end=end_to_end,
         max_abs_diff=diff,
         atol=atol,
@@ -241,7 +251,22 @@ def _tune(
         with Stopwatch() as tuning:
             run()
         seconds, calls = seconds + tuning.seconds, calls + 1
+        if not registration.all_tuned or registration.settling:  # what the call left to the worker (a descent's blocks)
+            registration.wait()
     return seconds, calls
+
+
+def _final_plan(registration: Any, say: Callable[[str], None]) -> dict[str, float | None]:
+    """Wait for the work left on the worker (the search after first plans: anytime tuning), and say when the first tuned
+    call and the final plan came (`Registration.plan_seconds`)."""
+    if registration.searching:
+        say(f"waiting for the search after the first plan(s) on the worker ({registration.searching} decision(s)) ...")
+    registration.wait()
+    plans = registration.plan_seconds
+    if plans["first_tuned_s"] is not None:
+        final = "" if plans["final_plan_s"] is None else f", final plan after {plans['final_plan_s']:.1f} s"
+        say(f"plans: first tuned call {plans['first_tuned_s']:.1f} s after enable_aitune{final}")
+    return plans
 
 
 def _measure(

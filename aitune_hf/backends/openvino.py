@@ -28,7 +28,7 @@ from aitune_hf.backends.onnx.export import (
 from aitune_hf.backends.onnx.model import CallLayout, obtain, obtain_program
 from aitune_hf.backends.onnx.reuse import sibling_key
 from aitune_hf.backends.onnx.worker import WorkerBuild
-from aitune_hf.errors import CandidateUnavailable, ConfigError
+from aitune_hf.errors import CandidateUnavailable, ConfigError, TuningError
 
 logger = logging.getLogger(__name__)
 
@@ -266,22 +266,29 @@ class OpenVinoBackend(Backend):
         key = ("openvino converted", sibling_key(module, layout.in_leaves, layout.in_spec, layout.dynamic))
         if build.shared is not None and key in build.shared:
             return build.shared[key].clone(), "shared"
-        program, how = obtain_program(layout, module, forward, samples, reusable=True, trace=not build.private_only)
-        model = None
+        # For background tuning (and the search after a first plan), the trace and conversion run in the build process:
+        # the conversion is Python that holds the GIL for up to 0.36 s at a time (a whole MiniLM: 2.8 s alone, 13 s in
+        # this process beside sentence-transformers traffic).
+        program, how = (None, "") if build.private_only else obtain_program(layout, module, forward, samples,
+                                                                            reusable=True)  # fmt: skip
         if program is not None:
             model = _converted(program, *names)
-        elif layout.device.type == "cpu":  # background tuning, nothing traced yet: trace and convert elsewhere
+        else:  # trace and convert in the build process, never here while calls are served: the conversion runs torch's
+            # tracing, which sets process-wide flags a caller's model reads (CLIP then builds a boolean causal mask:
+            # another signature, recorded and tuned again)
             attempts = dynamic_attempts(samples) if layout.dynamic else [None]
-            worker = WorkerBuild.trace(module, forward, layout, attempts, (_convert_in_worker, names))
-            if worker is not None:
-                try:
-                    xml, weights = Path(worker.made["xml"]), Path(worker.made["bin"])
-                    model, how = _core().read_model(xml.read_bytes(), _weights_tensor(weights.read_bytes())), "export"
-                finally:
-                    worker.remove()
-        if model is None:  # the block cannot go to the build process: here, as in the foreground
-            program, how = obtain_program(layout, module, forward, samples, reusable=True)
-            model = _converted(program, *names)
+            try:
+                worker = WorkerBuild.trace(module, forward, layout, attempts, (_convert_in_worker, names))
+            except TuningError as error:
+                raise CandidateUnavailable(
+                    f"the torch.export door converts in the build process while calls are "
+                    f"served, and could not convert this block there: {error}"
+                ) from None
+            try:
+                xml, weights = Path(worker.made["xml"]), Path(worker.made["bin"])
+                model, how = _core().read_model(xml.read_bytes(), _weights_tensor(weights.read_bytes())), "export"
+            finally:
+                worker.remove()
         if build.shared is not None:
             build.shared[key] = model.clone()
         return model, how

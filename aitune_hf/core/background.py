@@ -191,18 +191,23 @@ class BackgroundTuner:
         return True
 
     def submit_search(self, name: str, run: Callable[[], None], key: Any) -> None:
-        """Queue the search after a first plan (`run`), once per `key`; returns at once. Searches are never dropped
-        for the checks' bound (`MAX_CHECKS`)."""
-        self._submit(_Job(name, run, key, tuning=False, search=True))
+        """Queue a step of the search after a first plan (`run`), once per `key`; returns at once. It goes behind at
+        most one job that waits (a check of new shapes): the search and the checks take turns, where the checks of a
+        service meeting new shapes all the time would otherwise hold the search back for good. Never dropped for the
+        checks' bound (`MAX_CHECKS`)."""
+        self._submit(_Job(name, run, key, tuning=False, search=True), position=1)
 
-    def _submit(self, job: _Job) -> bool:
+    def _submit(self, job: _Job, position: int | None = None) -> bool:
         with self._condition:
             running = self._running
             if self._stopped or (running is not None and running.key is job.key):
                 return False
             if any(queued.key is job.key for queued in self._queue):
                 return False
-            self._queue.append(job)
+            if position is None:
+                self._queue.append(job)
+            else:
+                self._queue.insert(min(position, len(self._queue)), job)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._work, name=self.thread_name, daemon=True)
                 self._thread.start()

@@ -60,9 +60,10 @@ class Progress:
 
     def started(self, name: str) -> None:
         if self._bar is None:
+            # disable=None: tqdm draws it only where its stream is a terminal (never in a redirected log).
             self._bar = tqdm(
-                total=max(self._pending(), 1), desc="aitune_hf tuning", unit="target", disable=not self._enabled,
-                leave=False,
+                total=max(self._pending(), 1), desc="aitune_hf tuning", unit="target",
+                disable=None if self._enabled else True, leave=False,
             )  # fmt: skip
         self._bar.set_postfix_str(name, refresh=True)
 
@@ -129,11 +130,13 @@ class TuningContext:
     #: True when no target that has been called tunes or waits to tune, and nothing waits for the end-to-end gate:
     #: a search after a first plan starts then (`Refinement.run`).
     quiet: Callable[[], bool] = lambda: True
-    #: `timing.clock()` at registration, at the first call a backend other than eager served (None before), and when
-    #: the latest tuning ended (None before).
+    #: `timing.clock()` at registration, when every target that had been called first had a decision (`all_tuned`: the
+    #: next call is served by what tuning chose; None before), and when the latest tuning ended (None before).
     started: float = 0.0
     first_served: float | None = None
     decided_at: float | None = None
+    #: Called at the end of each tuning (`Registration._decided`: it notes when `all_tuned` first held).
+    decided: Callable[[], None] = lambda: None
     #: Per thread: `off_route`, how many routed calls this thread made that no decision covered (recorded, tuned, or
     #: run eager while tuning or in training): a target kept whole over its blocks records a call only where its blocks
     #: made none (a new shape a family route covers, checked once, counts as covered).

@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 #: that never comes back would otherwise hold it for good); it polls every `QUIET_POLL_S`.
 QUIET_S = 30.0
 QUIET_POLL_S = 0.05
+#: Times a search waits `QUIET_S` again, behind the worker's other jobs, while its first plan still waits for the gate
+#: of the call that tuned it (SD small's tuning call takes 30-35 s); then it starts, or is dropped if the plan waits on.
+QUIET_WAITS = 20
 
 
 class Refinable(Protocol):
@@ -107,6 +110,7 @@ class Refinement:
         self._entry: Any = None
         self._stack = contextlib.ExitStack()
         self._steps = 0
+        self._waits = 0
         #: `close` was called; a step runs now (under the tuning lock).
         self._closing = self._executing = False
 
@@ -144,6 +148,10 @@ class Refinement:
             until = time.monotonic() + QUIET_S
             while not quiet() and time.monotonic() < until:
                 time.sleep(QUIET_POLL_S)
+            assert self._owner is not None
+            if not quiet() and self._owner[1].provisional and self._waits < QUIET_WAITS:
+                self._waits += 1  # the call that tuned has not gated its first plan yet (a long tuning call): later
+                return True
         self._steps += 1
         with lock():
             with self._lock:

@@ -155,6 +155,7 @@ class Registration:
         self._context.worker = lambda: self.worker
         self._context.search = self._search
         self._context.quiet = self._quiet
+        self._context.decided = self._decided
         self._context.started = clock()
         #: The searches after first plans (`core/refine.py`), in the order they were queued.
         self._searches: list[Refinement] = []
@@ -370,6 +371,11 @@ class Registration:
             key=(refinement, refinement.steps),
         )  # fmt: skip
 
+    def _decided(self) -> None:
+        """A tuning ended: the first time every target that has been called has a decision, note when."""
+        if self._context.first_served is None and self.all_tuned:
+            self._context.first_served = clock()
+
     def _quiet(self) -> bool:
         """True when no target that has been called tunes or waits to tune, and nothing waits for the end-to-end
         gate."""
@@ -384,8 +390,9 @@ class Registration:
 
     @property
     def plan_seconds(self) -> dict[str, float | None]:
-        """Seconds from registration to the first call a tuned backend served (`first_tuned_s`), and to the final plan
-        (`final_plan_s`: the last search ended, or the last decision, when nothing is left to search; None while a
+        """Seconds from registration to the first tuned call (`first_tuned_s`: every target that had been called had a
+        decision, so the next call is served by what tuning chose: the end of the call that tuned), and to the final
+        plan (`final_plan_s`: the last search ended, or the last decision, when nothing is left to search; None while a
         search goes on or before any decision)."""
         context = self._context
         first = None if context.first_served is None else context.first_served - context.started

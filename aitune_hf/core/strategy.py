@@ -593,8 +593,9 @@ class MinLatency(Strategy):
             job.skip(backend, lost, kind="evidence")
         else:
             result, built = job.try_backend(backend)
-            # A switch needs confidence: at least the rounds the sign test needs for a bound (`timing.MIN_ROUNDS`).
-            rounds = max(job.config.repeats, MIN_ROUNDS)
+            # A switch needs confidence: at least the rounds the sign test needs for a bound (`timing.MIN_ROUNDS`), and
+            # no more than `SEARCH_ROUNDS`: a lead not shown by then is within the noise, and the plan stays.
+            rounds = max(min(job.config.repeats, SEARCH_ROUNDS), MIN_ROUNDS)
             if built is not None and job.time([(result, built)], (1 + SWITCH_MARGIN,), leader[1:], rounds):
                 job.contenders.append((backend, result, built))
                 low = job.bounds[result.backend][0] / (leader[1].speedup or 1.0)
@@ -706,6 +707,8 @@ class MinLatency(Strategy):
 #: A refinement switches to a candidate only when it was timed at least this much faster than the plan that serves, in
 #: the same rounds (`MinLatency.refine`): a lead within the noise keeps the plan, and its built state.
 SWITCH_MARGIN = 0.03
+#: Timed rounds a candidate of the search gets at most beside the plan that serves (at least `timing.MIN_ROUNDS`).
+SEARCH_ROUNDS = 8
 #: A first plan serves without timed rounds where its check alone showed it this many times `clear_speedup` ahead of
 #: eager on every recorded call (`TuningJob.estimate`: one cold run each side; the search after it times it side by
 #: side). Measured on real MiniLM whole at batch 32: OpenVINO bf16 3.1-3.9x, where the timed rounds of the first plan

@@ -558,6 +558,7 @@ class Target:
             if not any(r is old for r in self.routes):
                 return None
             route = Route(backend, built, decision.report, decision.guard, old.reference, old.family_wide)
+            route.served = old.served
             if backend.precision != "fp32":
                 route.fallback, route.fp32_lost = decision.fallback, decision.fp32_lost
                 if self._context.gate_required:
@@ -654,7 +655,7 @@ class Target:
                         rel_error=check.rel_error,
                     )
                 else:
-                    report.shapes += 1
+                    route.admit(signature)
                 self._routes = {**self._routes, signature: [*self._routes.get(signature, ()), route]}  # copy on write
         self._count("eager")
         return output
@@ -742,8 +743,6 @@ class Target:
             self._count("eager")
             return self.original_forward(*args, **kwargs)
         self._count(chosen)
-        if self._context.first_served is None:
-            self._context.first_served = clock()
         return output
 
     # -- the end-to-end gate of reduced precision (`Registration.gate`) ---------------------------------------------
@@ -764,8 +763,8 @@ class Target:
     def accept(self, route: Route) -> None:
         """The gate passed: the reduced-precision decision serves from now on."""
         with self._lock:
-            if route.new_shape_of is not None and route.provisional:
-                route.report.shapes += 1
+            if route.new_shape_of is not None and route.provisional and route.reference is not None:
+                route.new_shape_of.admit(route.reference)
             route.provisional = False
             route.replaces = None  # a plan the search found passed: the one it replaces is let go
 
@@ -971,6 +970,7 @@ class Target:
             self._settle(interrupted)
             self._context.progress.finished()
             self._context.decided_at = clock()
+            self._context.decided()
 
     def _groups(self, pending: list[InputSignature]) -> list[tuple[list[InputSignature], bool]]:
         """The signatures to tune together, and whether as one shape family (config.shapes == "family"; calls
@@ -1055,6 +1055,7 @@ class Target:
             decision.report.demoted, self._demoted = self._demoted, None
         family_wide = dynamic and decision.built is None
         route = Route(decision.backend, decision.built, decision.report, guard, job.signature, family_wide)
+        route.served = list(signatures)
         if decision.backend is not None and decision.backend.precision != "fp32":
             route.fallback, route.provisional = decision.fallback, context.gate_required
             route.fp32_lost = decision.fp32_lost
