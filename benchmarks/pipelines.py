@@ -8,14 +8,14 @@ process with interleaved rounds and medians.
     python benchmarks/pipelines.py --cold-warm --methods none --workloads minilm_b1_s32   # only cold / warm
 
 OpenVINO whole (`openvino_components`, `openvino_components_bf16`): each component (text encoder, UNet or
-transformer, VAE decoder; the whole MiniLM model) read by OpenVINO from its ONNX export and compiled for the CPU with
-the precision named (f32; bf16 where the CPU computes it natively, the precision OpenVINO picks by default there) and
+transformer, VAE decoder; the whole MiniLM model) read by OpenVINO through the door measured faster (its ONNX export,
+or its torch.export program through OpenVINO's PyTorch frontend: the faster door's engine within 2% of
+`ov.convert_model`'s on the host measured, benchmarks/results/openvino_doors.md) and compiled for the CPU with the
+precision named (f32; bf16 where the CPU computes it natively, the precision OpenVINO picks by default there) and
 dynamic shapes, as optimum-intel and sentence-transformers' `backend="openvino"` run a model by default
 (`openvino_components_bf16_static`: also compiled for the shape the workload calls it with, as after optimum-intel's
-`reshape`) (measured alike in issue 31: OpenVINO reading
-the ONNX export of a MiniLM layer ran as fast as the layer converted from torch). Made through aitune_hf's session with
-that one candidate chosen whenever correct (`min_speedup=0`); its bf16 output is gated like any reduced precision and
-the quality figure stands beside it.
+`reshape`). Made through aitune_hf's session with that one candidate chosen whenever correct (`min_speedup=0`); its
+bf16 output is gated like any reduced precision and the quality figure stands beside it.
 
 Every method gets its own copy of the workload (loaded through the real from_pretrained), is prepared once
 (compiled / exported / tuned: the cold seconds reported), then all methods take turns call by call, the order
@@ -283,6 +283,9 @@ class MethodResult:
     max_abs_diff: float | None = None
     quality: str | None = None  # the whole output's quality figure against eager's (PSNR, min cosine)
     error: str | None = None
+    #: aitune_hf, cold: seconds from enable_aitune to the first tuned call and to the final plan (anytime tuning)
+    first_tuned_seconds: float | None = None
+    final_plan_seconds: float | None = None
 
 
 @dataclass
@@ -347,10 +350,11 @@ def _job(
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def cold_prepare_seconds(workload: str, method: str, folder: Path, threads: int) -> float:
+def cold_prepare_seconds(workload: str, method: str, folder: Path, threads: int) -> dict[str, Any]:
     """Prepare seconds measured in a new process with empty Inductor caches (in-process caches would let one
-    method's compiles speed up the next) and an empty aitune_hf cache."""
-    return float(_job(method, workload, folder, threads)["prepare_seconds"])
+    method's compiles speed up the next) and an empty aitune_hf cache: the process's JSON line (`prepare_seconds`,
+    and for aitune_hf `first_tuned_seconds` and `final_plan_seconds`, from enable_aitune)."""
+    return _job(method, workload, folder, threads)
 
 
 @dataclass
@@ -392,7 +396,7 @@ def cold_warm(workload: str, method: str, folder: Path, threads: int) -> ColdWar
 
 
 def run_workload(
-    workload: Workload, methods: list[str], rounds: int, log: Callable[[str], None], cold: Callable[[str], float]
+    workload: Workload, methods: list[str], rounds: int, log: Callable[[str], None], cold: Callable[[str], dict]
 ) -> WorkloadResult:
     out = WorkloadResult(workload.name, workload.describe, rounds)
     if not methods:  # --methods none: no side-by-side measurement
@@ -404,7 +408,10 @@ def run_workload(
             prepared = prepare(workload, name)
             result.note = prepared.note
             if name != "eager":
-                result.prepare_seconds = cold(name)
+                job = cold(name)
+                result.prepare_seconds = float(job["prepare_seconds"])
+                result.first_tuned_seconds = job.get("first_tuned_seconds")
+                result.final_plan_seconds = job.get("final_plan_seconds")
         except Exception as error:  # a method that fails is a finding for the table
             result.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
             log(f"  {name}: FAILED {result.error}")
@@ -586,17 +593,25 @@ def markdown(results: list[WorkloadResult], setting: dict[str, Any]) -> str:
 
 def _side_by_side(workload: WorkloadResult) -> list[str]:
     lines = [
-        "| method | latency ms | speed-up | quality vs eager | prepare s | max diff | note |",
-        "|---|---|---|---|---|---|---|",
+        "| method | latency ms | speed-up | quality vs eager | prepare s | first tuned / final plan s | max diff "
+        "| note |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in workload.results.values():
         if r.error:
-            lines.append(f"| {r.method} | - | - | - | - | - | failed: {r.error} |")
+            lines.append(f"| {r.method} | - | - | - | - | - | - | failed: {r.error} |")
             continue
         speed = f"{r.speedup:.3f}x ± {r.speedup_iqr:.3f}" if r.speedup is not None else "-"
         prep = f"{r.prepare_seconds:.1f}" if r.prepare_seconds is not None else "-"
+        plans = (
+            "-"
+            if r.first_tuned_seconds is None
+            else f"{r.first_tuned_seconds:.1f} / "
+            + ("-" if r.final_plan_seconds is None else f"{r.final_plan_seconds:.1f}")
+        )
         diff = f"{r.max_abs_diff:.1e}" if r.max_abs_diff is not None else "-"
-        row = f"| {r.method} | {r.latency_s * 1e3:.1f} | {speed} | {r.quality or '-'} | {prep} | {diff} | {r.note} |"
+        row = (f"| {r.method} | {r.latency_s * 1e3:.1f} | {speed} | {r.quality or '-'} | {prep} | {plans} | {diff} "
+               f"| {r.note} |")  # fmt: skip
         lines.append(row)
     return [*lines, "", *[f"- {v}" for v in workload.verdicts], ""]
 
@@ -676,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
             session = prepared.session
             job.update(
                 session_prepare_seconds=session.prepare_seconds,
+                first_tuned_seconds=session.first_tuned_seconds,
+                final_plan_seconds=session.final_plan_seconds,
                 tuning_calls=session.tuning_calls,
                 passed=session.passed,
                 note=prepared.note,
@@ -691,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         for workload in build_workloads(args.workloads.split(","), Path(folder)):
             print(f"== {workload.name}: {workload.describe}", flush=True)
 
-            def cold(method: str, name: str = workload.name) -> float:
+            def cold(method: str, name: str = workload.name) -> dict[str, Any]:
                 return cold_prepare_seconds(name, method, Path(folder), args.threads)
 
             result = run_workload(workload, methods, args.rounds, lambda text: print(text, flush=True), cold)

@@ -266,3 +266,32 @@ def test_the_readme_lists_the_extras_that_pyproject_defines() -> None:
             entry = next(line for line in section.splitlines() if line.startswith(f"- `{name}`"))
             entry += " ".join(section.split(f"- `{name}`", 1)[1].split("\n- ", 1)[0].splitlines())
             assert all(f"`{part}`" in entry for part in inner.split(",")), (name, inner, entry)
+
+
+#: How the docs name each backend among the default candidates.
+_SHOWN = {"inductor": "Inductor", "onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/quickstart.md"])
+def test_the_docs_name_the_extras_and_the_default_candidates_the_code_has(doc: str) -> None:
+    """Issue 46: the quick start listed `all` as `onnx,diffusers,transformers` and "the default tries Inductor and ONNX
+    Runtime" after OpenVINO joined both. Every extra of pyproject.toml is named (with what `all` holds), and every
+    sentence that names the default candidates names exactly the default backends."""
+    import tomllib
+
+    from aitune_hf.backends.base import default_backend_names
+
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    text = (root / doc).read_text()
+    assert all(f"`{name}`" in text for name in extras), [name for name in extras if f"`{name}`" not in text]
+    inner = re.findall(r"aitune-hf\[([a-z0-9_,-]+)\]", " ".join(extras["all"]))[0].split(",")
+    line = next(part for part in re.split(r"\n\s*\n|(?<=\.)\s", text) if "`all`" in part and "`onnx`" in part)
+    assert all(f"`{name}`" in line for name in inner), (inner, line)
+    # OpenVINO is a default candidate where its extra is installed; the docs name it with that condition.
+    defaults = {_SHOWN[name] for name in default_backend_names()} | {"OpenVINO"}
+    sentences = [s for s in re.split(r"(?<=[.;])\s", " ".join(text.split())) if "default candidates" in s]
+    assert sentences, f"{doc} names no default candidates"
+    for sentence in sentences:
+        named = {shown for shown in _SHOWN.values() if shown in sentence}
+        assert named == defaults, (sentence, named)
