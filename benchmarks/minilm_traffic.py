@@ -40,11 +40,13 @@ One torch thread (ONNX Runtime gets the same). A corpus of 256 sentences of 6-13
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import ctypes
 import gc
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -60,6 +62,8 @@ from aitune_hf import Stopwatch, enable_aitune, hardware
 from aitune_hf.backends import forget_exports
 from aitune_hf.session import describe_machine
 from aitune_hf.testing import minilm_path
+
+atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 # Tuning is measured from scratch: aitune_hf's persistent cache (on by default) stays off unless AITUNE_HF_CACHE
 # is set (a folder, to measure a warm start) or a run passes its own cache_dir.

@@ -38,9 +38,11 @@ waits) of each, warm / cold, and the largest difference between the warm and the
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,6 +57,7 @@ from typing import Any
 os.environ.setdefault("AITUNE_HF_CACHE", "off")
 if "--warm-cache" not in sys.argv:  # before torch is imported: Inductor reads it at import
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="aitune_bench_inductor_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 import numpy as np
 import torch
