@@ -155,7 +155,9 @@ class _Flat(torch.nn.Module):
         return out
 
 
-def run(name: str, traffic: tuple, targets: str, precision: str, seconds: float) -> list[str]:
+def run(
+    name: str, traffic: tuple, targets: str, precision: str, seconds: float, timeline_out: Path | None = None
+) -> list[str]:
     make, calls, peer = traffic
     plain = make()
     with torch.inference_mode():
@@ -182,16 +184,18 @@ def run(name: str, traffic: tuple, targets: str, precision: str, seconds: float)
         while (clock() - since.start) < seconds:
             call = calls[index % len(calls)]
             before, states = _tuning_seconds(registration), dict(registration.state_counts)
-            decided = registration.all_tuned
+            decided, ran = registration.all_tuned, registration.worker.status()["running"]
             with Stopwatch() as watch:
                 call(model)
             searching = registration.searching > 0 or not registration.all_tuned
             # (when the call began, x plain, whether the search went on): a call that began before the first tuned
             # call is the tuning itself, not a call the search slowed.
             ratio = plain_s[index % len(calls)] / watch.seconds
+            ended = registration.worker.status()["running"]
             went_on = (
-                f"tuning {_tuning_seconds(registration) - before:.1f} s meanwhile; states {format_counts(states)} -> "
-                f"{format_counts(registration.state_counts)}"
+                f"the worker ran {ran or 'nothing'} at its start, {ended or 'nothing'} at its end; "
+                f"tuning {_tuning_seconds(registration) - before:.1f} s meanwhile; "
+                f"states {format_counts(states)} -> {format_counts(registration.state_counts)}"
                 + ("; a shape family may have tuned in it" if not decided and states.get("armed") else "")
             )
             timeline.append((watch.start - since.start, ratio, searching, went_on))
@@ -205,6 +209,9 @@ def run(name: str, traffic: tuple, targets: str, precision: str, seconds: float)
         registration.wait(timeout=60)
         report = registration.report()
     plans = registration.plan_seconds
+    if timeline_out is not None:  # every call: when it began, x plain, searching, what went on
+        with open(timeline_out.with_suffix(f".{name}.tsv"), "w") as out:
+            out.writelines("\t".join(map(str, row)) + "\n" for row in timeline)
     fast = next((t for t, ratio, *_ in timeline if ratio >= FAST), None)
     first = plans["first_tuned_s"]
     during = [row for row in timeline if row[2] and first is not None and row[0] > first]
@@ -253,6 +260,7 @@ def main() -> None:
     parser.add_argument("--precision", default="auto", choices=("fp32", "auto"))
     parser.add_argument("--seconds", type=float, default=240.0, help="the traffic's longest run")
     parser.add_argument("--out", type=Path, default=RESULTS / "anytime.md")
+    parser.add_argument("--timeline", type=Path, default=None, help="also write every call's row: FILE.<workload>.tsv")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows, details = [], []
@@ -260,7 +268,7 @@ def main() -> None:
         for name in args.workloads.split(","):
             traffic = minilm_traffic() if name == "minilm" else sd_traffic(Path(folder))
             targets = args.targets or ("auto" if name == "minilm" else "blocks")
-            lines = run(name, traffic, targets, args.precision, args.seconds)
+            lines = run(name, traffic, targets, args.precision, args.seconds, args.timeline)
             rows.append(lines[0])
             details += lines[1:]
     text = "\n".join([

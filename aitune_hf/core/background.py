@@ -231,6 +231,14 @@ class BackgroundTuner:
                 "searches": sum(job.search for job in self._queue) + (running is not None and running.search),
                 "afresh": self.afresh,
                 "tuned": self.tuned,
+                # what the worker runs now: "tuning", "search" (a step after a first plan), "check", or None
+                "running": None
+                if running is None
+                else "tuning"
+                if running.tuning
+                else "search"
+                if running.search
+                else "check",
             }
 
     def wait(self, timeout: float | None = None, until: Callable[[], bool] | None = None) -> bool:

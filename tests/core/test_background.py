@@ -37,12 +37,15 @@ def test_calls_are_served_while_the_worker_tunes_and_switch_over_when_it_is_done
         registration.tune()
         outputs, during = [], 0
         deadline = time.monotonic() + 120
+        running = set()
         while not registration.all_tuned and time.monotonic() < deadline:  # calls never wait for the worker
+            running.add(registration.background.status()["running"])
             outputs.append(model(x))
             during += registration.background.pending > 0
         served = model(x)
     assert registration.all_tuned, registration.report()
     assert during >= 1 and registration.background.status()["tuned"] == 2  # calls went on while it tuned
+    assert running <= {"tuning", None} and "tuning" in running, running  # what the worker ran, as a call saw it
     for out in [*outputs, served]:
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     for target in registration.targets.values():
