@@ -127,6 +127,7 @@ class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     polymorphic = True  # dynamic axes: one session serves a shape family
     builds_privately = True  # exports a deep copy of the module (`private_twin`)
+    build_process_imports = ("onnx", "onnxscript", "onnxruntime", "torch.onnx")
 
     def __init__(
         self,

@@ -91,6 +91,7 @@ class OpenVinoBackend(Backend):
     name = "openvino"
     polymorphic = True
     builds_privately = True  # exports a private copy of the module (`onnx.export.private_twin`)
+    build_process_imports = ("openvino", "openvino.frontend.pytorch", "onnx", "torch.onnx")
     bakes_weights = True
 
     def __init__(

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from aitune_hf.backends.base import Backend
+from aitune_hf.backends.base import Backend, warm_build_process
 from aitune_hf.core.background import BackgroundTuner
 from aitune_hf.core.cache import TuningCache, open_cache
 from aitune_hf.core.config import TuningConfig
@@ -126,6 +126,10 @@ class Registration:
             candidates = [b for b in candidates if b.builds_privately]
             for backend in candidates:  # what their builds import, imported now, not while calls are served
                 backend.prepare()
+        imports = {name for backend in candidates for name in backend.build_process_imports}
+        if imports and (config.background or config.anytime):  # builds on the worker go to the build process
+            classes = {type(sub).__module__ for module in modules.values() for sub in module.modules()}
+            warm_build_process(["aitune_hf.backends.onnx.worker", *sorted(imports), *sorted(classes)])
         self._modules = dict(modules)
         self._detached = False
         self._final_report: TuningReport | None = None

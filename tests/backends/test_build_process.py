@@ -88,3 +88,38 @@ def test_a_block_the_worker_fails_on_is_built_here_and_the_worker_serves_on(capl
         torch.testing.assert_close(built.fn(x), module(x), **TOL)
     worker = build_process_pid()
     assert _private_build(MLP().eval(), x).fn.built_in == worker is not None  # the worker survived the failure
+
+
+def _imported(names: list[str]) -> list[str]:
+    """In the build process: which of `names` it has imported."""
+    import sys
+
+    return [name for name in names if name in sys.modules]
+
+
+def test_a_registration_that_will_search_on_the_worker_starts_the_build_process_with_its_imports() -> None:
+    """The search after a first plan (anytime tuning, the default) builds in the build process from its first step: the
+    process starts at registration, with the runtimes and the model's classes imported, while the first call runs."""
+    import time
+
+    from aitune_hf import register
+    from aitune_hf.backends import base
+
+    base._stop_build_process()  # a fresh start, whatever earlier tests left
+    assert build_process_pid() is None
+    registration = register({"0": FailsElsewhere().eval()}, {"backends": ["onnxruntime"], "progress": False})
+    deadline = time.monotonic() + 120
+    while (base._warming or build_process_pid() is None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker = build_process_pid()
+    assert worker is not None and worker != os.getpid()
+    names = ["onnxruntime", "onnxscript", "aitune_hf.backends.onnx.worker", FailsElsewhere.__module__]
+    assert base.run_in_build_process(_imported, names) == names
+    assert build_process_pid() == worker
+    registration.detach()
+    # A registration that tunes only in the calls (no search: anytime off) starts nothing.
+    base._stop_build_process()
+    registration = register({"0": MLP().eval()}, {"backends": ["onnxruntime"], "progress": False, "anytime": False})
+    time.sleep(0.5)
+    assert build_process_pid() is None and not base._warming
+    registration.detach()
