@@ -26,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from aitune_hf.backends.base import Call, current_build
+from aitune_hf.errors import TuningError
 
 logger = logging.getLogger(__name__)
 
@@ -321,6 +322,27 @@ def torchlib_registry(opset_version: int | None) -> Any:
                 opset_version=registry_opset
             )
     return registry
+
+
+def first_that_traces(
+    attempts: Sequence[list[frozenset[int]] | None],
+    fresh: Callable[[], Any],
+    trace: Callable[[Any, list[frozenset[int]] | None], Any],
+    what: str,
+) -> Any:
+    """`trace(fresh(), dims)` for each of `attempts` (per tensor input, the dimensions exported dynamic; None: the
+    example's shapes) until one traces, exporting (`exporting`, gradients off, out of inference mode): its result.
+    `fresh()` makes a new private copy per attempt, a failed trace leaving symbolic state on the copy and its example
+    tensors. Raises what the last attempt raised; `what` names the work in the DEBUG line of each one that failed."""
+    with exporting(), torch.inference_mode(False), torch.no_grad():
+        for attempt, dims in enumerate(attempts):
+            try:
+                return trace(fresh(), dims)
+            except Exception:
+                if attempt == len(attempts) - 1:
+                    raise
+                logger.debug("%s with dynamic dims %s failed; trying fewer", what, dims, exc_info=True)
+    raise TuningError("no attempt to trace: attempts was empty")
 
 
 def private_twin(module: torch.nn.Module, forward: Callable[..., Any]) -> tuple[torch.nn.Module, Callable[..., Any]]:

@@ -18,7 +18,7 @@ from aitune_hf.backends.base import Call, current_build
 from aitune_hf.backends.onnx.export import (
     dynamic_attempts,
     export_flat,
-    exporting,
+    first_that_traces,
     named_weights,
     private_twin,
     trace_flat,
@@ -192,23 +192,14 @@ def obtain(
     elif offload and finish is not None:
         worker = WorkerBuild.run(proto, finish)
     if proto is None:
-        with exporting(), torch.inference_mode(False), torch.no_grad():
-            for attempt, dims in enumerate(attempts if given is None else [None]):
-                # The exporter swaps the module's parameters for fake tensors while it traces: export a private copy,
-                # so that other threads can keep calling the user's module meanwhile. A fresh copy and fresh example
-                # tensors per attempt: a failed trace leaves symbolic state on them. A trace made already needs none.
-                twin, twin_forward = private_twin(module, forward) if given is None else (module, forward)
-                try:
-                    program = export_flat(
-                        twin, twin_forward, layout.weights, layout.in_leaves, layout.in_spec,
-                        layout.tensor_positions, module.training, dims, layout.names, opset_version, raw, traced,
-                        given,
-                    )  # fmt: skip
-                    break
-                except Exception:
-                    if attempt == len(attempts) - 1:
-                        raise
-                    logger.debug("export with dynamic dims %s failed; trying fewer", dims, exc_info=True)
+        # The exporter swaps the module's parameters for fake tensors while it traces: export a private copy, so that
+        # other threads can keep calling the user's module meanwhile. A trace made already needs none.
+        def export(twin: tuple[torch.nn.Module, Callable[..., Any]], dims: list[frozenset[int]] | None) -> Any:
+            return export_flat(*twin, layout.weights, layout.in_leaves, layout.in_spec, layout.tensor_positions,
+                               module.training, dims, layout.names, opset_version, raw, traced, given)  # fmt: skip
+
+        fresh = (lambda: private_twin(module, forward)) if given is None else (lambda: (module, forward))
+        program = first_that_traces(attempts if given is None else [None], fresh, export, "export")
         exported = True
     obtained = Obtained(proto, program, "export" if exported else how, worker)
     if exported and shared is not None:  # for the other builds of this call, in this tuning (a fresh export only: a
@@ -259,18 +250,14 @@ def obtain_program(
         return program, how
     if not trace:
         return None, ""
-    attempts = dynamic_attempts(samples) if layout.dynamic else [None]
-    with exporting(), torch.inference_mode(False), torch.no_grad():
-        for attempt, dims in enumerate(attempts):
-            twin, twin_forward = private_twin(module, forward)  # fresh per attempt, as `obtain`'s
-            try:
-                program = trace_flat(twin, twin_forward, {}, layout.in_leaves, layout.in_spec,
-                                     layout.tensor_positions, module.training, dims)  # fmt: skip
-                break
-            except Exception:
-                if attempt == len(attempts) - 1:
-                    raise
-                logger.debug("trace with dynamic dims %s failed; trying fewer", dims, exc_info=True)
+    program = first_that_traces(
+        dynamic_attempts(samples) if layout.dynamic else [None],
+        lambda: private_twin(module, forward),
+        lambda twin, dims: trace_flat(
+            *twin, {}, layout.in_leaves, layout.in_spec, layout.tensor_positions, module.training, dims
+        ),
+        "trace",
+    )
     if shared is not None:
         shared[("program", call_key)] = program
     if keys:

@@ -26,7 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from aitune_hf.backends.base import run_in_build_process
-from aitune_hf.backends.onnx.export import export_flat, exporting, private_twin, trace_flat
+from aitune_hf.backends.onnx.export import export_flat, first_that_traces, private_twin, trace_flat
 from aitune_hf.errors import TuningError
 
 logger = logging.getLogger(__name__)
@@ -179,38 +179,29 @@ def build_in_worker(
 
     directory = Path(folder)
     made: dict[str, Any] = {"pid": os.getpid(), "export": None}
-    if job is not None and job.get("form") == "program":  # the trace alone, handed to `finish` (`WorkerBuild.trace`)
-        assert finish is not None
-        program = None
-        with exporting(), torch.inference_mode(False), torch.no_grad():
-            for attempt, dims in enumerate(job["attempts"]):
-                twin, function, weights, in_leaves = pickle.loads(job["payload"])
-                try:
-                    program = trace_flat(twin, types.MethodType(function, twin), weights, in_leaves, job["spec"],
-                                         job["tensor_positions"], job["training"], dims)  # fmt: skip
-                    break
-                except Exception:
-                    if attempt == len(job["attempts"]) - 1:
-                        raise
-        fn, args = finish
-        made.update(fn(directory, program, *args))
-        return made
     if job is not None:
-        attempts = job["attempts"]
-        with exporting(), torch.inference_mode(False), torch.no_grad():
-            for attempt, dims in enumerate(attempts):
-                # A fresh copy and fresh example tensors per attempt: a failed trace leaves symbolic state on them.
-                twin, function, weights, in_leaves = pickle.loads(job["payload"])
-                try:
-                    raw: list[Any] | None = [] if job.get("raw") else None
-                    program = export_flat(
-                        twin, types.MethodType(function, twin), weights, in_leaves, job["spec"],
-                        job["tensor_positions"], job["training"], dims, job["names"], job["opset_version"], raw,
-                    )  # fmt: skip
-                    break
-                except Exception:
-                    if attempt == len(attempts) - 1:
-                        raise
+
+        def fresh() -> tuple[torch.nn.Module, Any, dict[str, torch.Tensor], list[Any]]:
+            """A fresh copy and fresh example tensors per attempt: a failed trace leaves symbolic state on them."""
+            twin, function, weights, in_leaves = pickle.loads(job["payload"])
+            return twin, types.MethodType(function, twin), weights, in_leaves
+
+        flat = (job["spec"], job["tensor_positions"], job["training"])
+        if job.get("form") == "program":  # the trace alone, handed to `finish` (`WorkerBuild.trace`)
+            assert finish is not None
+            program = first_that_traces(
+                job["attempts"], fresh, lambda twin, dims: trace_flat(*twin, *flat, dims), "trace"
+            )
+            fn, args = finish
+            made.update(fn(directory, program, *args))
+            return made
+        raw: list[Any] | None = [] if job.get("raw") else None
+        program = first_that_traces(
+            job["attempts"],
+            fresh,
+            lambda twin, dims: export_flat(*twin, *flat, dims, job["names"], job["opset_version"], raw),
+            "export",
+        )
         source = str(directory / "export.onnx")
         onnx.save_model(program.model_proto, source)
         made["export"] = source
