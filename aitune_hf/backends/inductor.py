@@ -127,13 +127,19 @@ class InductorBackend(Backend):
         if self.precision != "fp32":
             devices = {leaf.device.type for leaf in _leaves(samples[0]) if isinstance(leaf, torch.Tensor)} or {"cpu"}
             target = _under_autocast(target, _AUTOCAST_DTYPES[self.precision], devices.pop())
+        options = dict(self.options)
+        if objects and self.mode is None:
+            # A call that holds an object (a KV cache: a decode step of generate()) runs a few milliseconds of kernels,
+            # where the Python wrapper that launches them is a tenth of the time: a C++ one instead (measured on a
+            # tiny Llama's decode steps, 1 thread, AMD EPYC: +10% tokens/s, the same compile time).
+            options.setdefault("cpp_wrapper", True)
         compiled = torch.compile(
             target,
             backend="inductor",
             dynamic=None if dynamic or objects else False,
             fullgraph=self.fullgraph,
             mode=self.mode,
-            options=self.options or None,
+            options=options or None,
         )
         before = _frames()
         for args, kwargs in samples:  # compile now, so that build time is compile time

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import DynamicCache, EncoderDecoderCache
+from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 
 from aitune_hf import AITuneModel, TargetState, register
 from aitune_hf.testing import LM_AUTO_CLASSES, build_lm
@@ -398,3 +398,52 @@ def test_an_error_while_replaying_never_reaches_the_users_call(backend: str) -> 
     finally:
         _TUNING.remove(reg)
         reg.detach()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The generation recipe (docs/quickstart.md#generation): the whole model, a static cache, every generate() mode
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_the_generation_recipe_gives_eagers_tokens_in_every_mode(lm_folders) -> None:
+    """`enable_aitune("components", backends=["inductor"])` with a static cache: the decode steps are served whole
+    (Inductor with a C++ wrapper, the cache passed in place), and every generate() of another kind gives eager's tokens
+    and logits in the same state: a second call, a batch with left padding, another prompt length, beam search (which
+    reorders the cache), and a cache handed over by a previous call."""
+    model = load(lm_folders, "llama")
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.max_cache_len = 32  # room for a second turn on the cache the first one left
+    registration = model.enable_aitune("components", backends=["inductor"], **QUICK)
+    generator = torch.Generator().manual_seed(2)
+    plain = {"input_ids": torch.randint(3, 128, (2, 5), generator=generator)}
+    padded_ids = torch.randint(3, 128, (2, 7), generator=generator)
+    padded_ids[1, :3] = 0  # left padding (pad id 0), as a tokenizer with padding_side="left" gives
+    padded = {"input_ids": padded_ids, "attention_mask": (padded_ids != 0).long()}
+    longer = {"input_ids": torch.randint(3, 128, (1, 9), generator=generator)}
+
+    def compare(label: str, feed: dict[str, torch.Tensor], **extra: Any) -> None:
+        out = model.generate(**feed, **GENERATE, **extra)
+        with model.aitune.bypass():
+            ref = model.generate(**feed, **GENERATE, **extra)
+        assert_same_generation(out, ref, f"{label}; states {model.aitune.state_counts}")
+
+    try:
+        for call in range(3):  # records, tunes, then served
+            compare(f"plain call {call + 1}", plain)
+        target = registration.targets["model"] if "model" in registration.targets else registration.targets[""]
+        assert target.calls_served.get("inductor", 0) >= GENERATE["max_new_tokens"], registration.report()
+        compare("left-padded batch", padded)
+        compare("another prompt length", longer)
+        compare("beam search", plain, num_beams=2)
+        # The cache one call left, handed to the next one that continues its sequences (a chat's next turn).
+        out = model.generate(**plain, **GENERATE)
+        with model.aitune.bypass():
+            ref = model.generate(**plain, **GENERATE)
+        assert isinstance(out.cache, StaticCache) and torch.equal(out.sequences, ref.sequences)
+        model.generation_config.cache_implementation = None  # generate() takes a cache object or makes one, not both
+        continued = model.generate(input_ids=out.sequences, **GENERATE, cache=out.cache)
+        with model.aitune.bypass():
+            want = model.generate(input_ids=ref.sequences, **GENERATE, cache=ref.cache)
+        assert_same_generation(continued, want, "a cache left by a previous call")
+    finally:
+        model.disable_aitune()
