@@ -1,13 +1,20 @@
-"""Greedy generation tokens/s (issue 9, item 2): a small Llama-like and a small Qwen3-like model, eager vs
-torch.compile as Transformers documents it vs aitune_hf.
+"""Greedy generation tokens/s (issue 9, item 2; issue 47): a small Llama-like, a small Qwen3-like and a small BART-like
+(encoder-decoder) model, eager vs torch.compile as Transformers documents it vs OpenVINO through optimum-intel vs
+aitune_hf.
 
-    python benchmarks/generation.py --models llama qwen3 --rounds 5 --out benchmarks/results/generation.md
+    python benchmarks/generation.py --models llama qwen3 bart --rounds 5 --optimum-python ~/ovenv/bin/python
     python benchmarks/generation.py --quick          # smoke run: llama, 16 new tokens, 2 rounds
 
-Models: built from `LlamaConfig` / `Qwen3Config` with random weights (seed 0; hidden 256, 4 layers, 4 heads,
-2 KV heads, intermediate 512, vocabulary 1024, `initializer_range` 0.1 so that greedy tokens vary and the
-top-2 logit gaps stay far above float32 noise), written with `save_pretrained` and loaded with the real
-`AutoModelForCausalLM.from_pretrained` (`AITuneModel.from_pretrained(..., auto_class=...)` for aitune_hf).
+optimum-intel installs in a venv of its own (it pins Transformers below this project's, and its default torch is a
+CUDA build): `python -m venv ~/ovenv && ~/ovenv/bin/pip install -c constraints.txt "optimum-intel[openvino]"`, then
+pass its Python as `--optimum-python` (or `AITUNE_OPTIMUM_PYTHON`); without it the openvino_* rows say "not run". Its
+workers import this checkout's aitune_hf for the timer only.
+
+Models: built from `LlamaConfig` / `Qwen3Config` / `BartConfig` with random weights (seed 0; hidden 256, 4 layers
+(BART: 4 encoder and 4 decoder layers), 4 heads, 2 KV heads (BART: 4), intermediate 512, vocabulary 1024,
+`initializer_range` 0.1 so that greedy tokens vary and the top-2 logit gaps stay far above float32 noise), written
+with `save_pretrained` and loaded with the real `AutoModelForCausalLM` / `AutoModelForSeq2SeqLM.from_pretrained`
+(`AITuneModel.from_pretrained(..., auto_class=...)` for aitune_hf). The default run: llama and qwen3.
 Call: batch 1, a 16-token prompt, `generate(do_sample=False, max_new_tokens=N, min_new_tokens=N)`, N = 64.
 
 Variants (each in its own worker process, with its own empty Inductor cache and Dynamo state, so that no
@@ -27,6 +34,13 @@ object, and Dynamo's recompile limit is per code object):
 - aitune_components: static cache, `enable_aitune("components", backends=["inductor"])` (the whole model);
 - aitune_auto: static cache, `enable_aitune("auto")` with the default backends (a generative model is tried
   whole with Inductor as well as ONNX Runtime).
+- eager_optimum_venv: eager in optimum-intel's venv, its own (older) Transformers: the generate() loop the
+  openvino rows run in, so that a difference of Transformers versions is not read as the engine's;
+- openvino_f32 / openvino_bf16: `OVModelForCausalLM` (BART: `OVModelForSeq2SeqLM`)`.from_pretrained(folder,
+  export=True)`, optimum-intel's stateful model (the KV cache kept inside the engine, reset per generate()), with
+  `INFERENCE_PRECISION_HINT` f32 / bf16 and OpenVINO's threads as torch's. One-off: the export and compile plus the
+  first generate() call. openvino_f32 is among the documented baselines (issue 47's target); openvino_bf16 is
+  reduced precision and stands beside them. A worker that dies (an engine's SIGFPE) is a row that says so.
 
 Static-cache variants set `generation_config.max_cache_len` = prompt + N, so that `max_new_tokens=1` calls reuse
 the same cache shape as N-token calls (no new shapes, no recompiles). Each worker loads its model, times 3
@@ -51,8 +65,10 @@ Results: benchmarks/results/generation.md (or --out).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -87,10 +103,30 @@ COMMON = {
     "eos_token_id": 1,
     "bos_token_id": 2,
 }
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", {}),
-    "qwen3": ("Qwen3Config", {"head_dim": 64}),  # Qwen3Config defaults head_dim to 128
+#: the same sizes in an encoder-decoder's own field names (BART: as many encoder as decoder layers, no grouped KV heads)
+SEQ2SEQ = {
+    "d_model": COMMON["hidden_size"],
+    "encoder_attention_heads": COMMON["num_attention_heads"],
+    "decoder_attention_heads": COMMON["num_attention_heads"],
+    "encoder_ffn_dim": COMMON["intermediate_size"],
+    "decoder_ffn_dim": COMMON["intermediate_size"],
+    "init_std": COMMON["initializer_range"],
+    "decoder_start_token_id": COMMON["bos_token_id"],
+    "forced_eos_token_id": None,
+    **{k: COMMON[k] for k in ("vocab_size", "max_position_embeddings", "pad_token_id", "eos_token_id", "bos_token_id")},
 }
+#: per model: config class, its fields (the layer count is added), auto class, optimum-intel's class
+MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
+    "llama": ("LlamaConfig", {**COMMON}, "AutoModelForCausalLM", "OVModelForCausalLM"),
+    # Qwen3Config defaults head_dim to 128
+    "qwen3": ("Qwen3Config", {**COMMON, "head_dim": 64}, "AutoModelForCausalLM", "OVModelForCausalLM"),
+    "bart": ("BartConfig", SEQ2SEQ, "AutoModelForSeq2SeqLM", "OVModelForSeq2SeqLM"),
+}
+DEFAULT_MODELS = ("llama", "qwen3")
+
+
+def _layers(kind: str, layers: int) -> dict[str, int]:
+    return {"encoder_layers": layers, "decoder_layers": layers} if kind == "bart" else {"num_hidden_layers": layers}
 
 
 @dataclass(frozen=True)
@@ -99,6 +135,13 @@ class Variant:
     static: bool  # static cache
     documented_baseline: bool  # one of the baselines that the issue's target names
     describe: str
+    precision: str = "fp32"  # what it computes in: a reduced-precision row is compared with its own kind
+    optimum: bool = False  # runs under optimum-intel's Python (--optimum-python), not this one
+
+
+#: OpenVINO's own generation runtime: optimum-intel's stateful model (the KV cache kept as engine state, reset per
+#: generate()), exported from the saved folder and compiled with this CPU-precision hint.
+_OPTIMUM = "optimum-intel {cls}.from_pretrained(folder, export=True), stateful, INFERENCE_PRECISION_HINT={hint}"
 
 
 VARIANTS: dict[str, Variant] = {
@@ -122,6 +165,23 @@ VARIANTS: dict[str, Variant] = {
         Variant("aitune_blocks", True, False, 'static cache + enable_aitune("blocks", inductor + onnxruntime)'),
         Variant("aitune_components", True, False, 'static cache + enable_aitune("components", inductor)'),
         Variant("aitune_auto", True, False, 'static cache + enable_aitune("auto"), default backends'),
+        Variant(
+            "eager_optimum_venv",
+            False,
+            False,
+            "eager, dynamic cache, in optimum-intel's venv (its own Transformers: the generate() loop of the openvino "
+            "rows)",
+            optimum=True,
+        ),
+        Variant("openvino_f32", False, True, _OPTIMUM.format(cls="OVModelFor...", hint="f32"), optimum=True),
+        Variant(
+            "openvino_bf16",
+            False,
+            False,
+            _OPTIMUM.format(cls="OVModelFor...", hint="bf16"),
+            precision="bf16",
+            optimum=True,
+        ),
     )
 }
 
@@ -133,13 +193,15 @@ def build_model(kind: str, folder: Path, layers: int) -> Path:
     """A random-weight causal LM of `kind` written to `folder` with a GenerationConfig for greedy decoding."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    config_class, extra = MODELS[kind]
-    config = getattr(transformers, config_class)(num_hidden_layers=layers, **COMMON, **extra)
+    config_class, fields, auto_class, _ = MODELS[kind]
+    config = getattr(transformers, config_class)(**_layers(kind, layers), **fields)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = getattr(transformers, auto_class).from_config(config).eval()
     ids = {k: COMMON[k] for k in ("pad_token_id", "eos_token_id", "bos_token_id")}
+    if kind == "bart":
+        ids["decoder_start_token_id"] = COMMON["bos_token_id"]
     model.generation_config = GenerationConfig(**ids, do_sample=False)  # as aitune_hf.testing.build_lm
     model.save_pretrained(str(folder))
     return folder
@@ -176,10 +238,12 @@ def _served(model: Any) -> Counter[str]:
 class Worker:
     """One variant's model: prepared once, then one timed (1-token, N-token) pair per round."""
 
-    def __init__(self, variant: Variant, folder: Path, new_tokens: int) -> None:
+    def __init__(self, variant: Variant, folder: Path, new_tokens: int, kind: str, threads: int) -> None:
         self.variant = variant
         self.folder = folder
         self.new_tokens = new_tokens
+        self.kind = kind
+        self.threads = threads
         self.ids = prompt_ids()
         self.mask = self.ids.new_ones(self.ids.shape)
 
@@ -195,18 +259,19 @@ class Worker:
 
     def prepare(self) -> dict[str, Any]:
         import torch
-        from transformers import AutoModelForCausalLM
+        import transformers
 
         name, n = self.variant.name, self.new_tokens
+        _, _, auto_class, optimum_class = MODELS[self.kind]
         info: dict[str, Any] = {"variant": name}
+        if name.startswith("openvino"):
+            return self.prepare_optimum(optimum_class, info)
         if name.startswith("aitune"):
             from aitune_hf import AITuneModel
 
-            self.model = AITuneModel.from_pretrained(
-                self.folder, auto_class="AutoModelForCausalLM", local_files_only=True
-            ).eval()
+            self.model = AITuneModel.from_pretrained(self.folder, auto_class=auto_class, local_files_only=True).eval()
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(self.folder, local_files_only=True).eval()
+            self.model = getattr(transformers, auto_class).from_pretrained(self.folder, local_files_only=True).eval()
         config = self.model.generation_config
         if self.variant.static:
             config.cache_implementation = "static"
@@ -273,10 +338,37 @@ class Worker:
             info["min_top2_gap"] = min(float(s[0].topk(2).values.diff().abs()) for s in out.scores)
         return info
 
+    def prepare_optimum(self, optimum_class: str, info: dict[str, Any]) -> dict[str, Any]:
+        """optimum-intel's model, exported and compiled from the folder (its one-off seconds: that, less nothing: it
+        has no eager calls to subtract), with OpenVINO's threads as the torch variants' and the precision hint named."""
+        import openvino
+        import optimum.intel
+        import transformers
+
+        hint = "bf16" if self.variant.precision == "bf16" else "f32"
+        config = {"INFERENCE_PRECISION_HINT": hint, "INFERENCE_NUM_THREADS": str(self.threads)}
+        with Stopwatch() as watch:
+            self.model = getattr(optimum.intel, optimum_class).from_pretrained(
+                self.folder, export=True, compile=True, ov_config=config, local_files_only=True
+            )
+            self.generate(self.new_tokens)  # its first call (the state's allocations), as the others' warm-up
+        info["one_off_s"] = watch.seconds
+        info["stateful"] = bool(getattr(self.model, "stateful", False))
+        info["versions"] = {
+            "optimum-intel": _version("optimum-intel"),
+            "openvino": openvino.__version__,
+            "transformers": transformers.__version__,
+        }
+        info["describe"] = _OPTIMUM.format(cls=optimum_class, hint=hint)
+        return info
+
     def round(self) -> dict[str, Any]:
         t1, _ = self.timed(1)
         tn, out = self.timed(self.new_tokens)
-        return {"t1": t1, "tn": tn, "tokens": out[0, PROMPT_TOKENS:].tolist()}
+        new = (
+            out[0, 1:] if MODELS[self.kind][2] == "AutoModelForSeq2SeqLM" else out[0, PROMPT_TOKENS:]
+        )  # after the start
+        return {"t1": t1, "tn": tn, "tokens": new.tolist()}
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -289,7 +381,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
-    worker = Worker(VARIANTS[args.worker], args.folder, args.new_tokens)
+    worker = Worker(VARIANTS[args.worker], args.folder, args.new_tokens, args.kind, args.threads)
     try:
         info = worker.prepare()
     except Exception as error:  # a variant that fails is a finding for the table
@@ -309,6 +401,13 @@ def worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 # -- parent -----------------------------------------------------------------------------------------------------
 
 
@@ -325,10 +424,13 @@ class Result:
 
 
 class Process:
-    def __init__(self, variant: str, folder: Path, args: argparse.Namespace, log_path: Path) -> None:
-        command = [sys.executable, __file__, "--worker", variant, "--folder", str(folder)]
+    def __init__(self, variant: str, kind: str, folder: Path, args: argparse.Namespace, log_path: Path) -> None:
+        python = args.optimum_python if VARIANTS[variant].optimum else sys.executable
+        command = [python, __file__, "--worker", variant, "--kind", kind, "--folder", str(folder)]
         command += ["--threads", str(args.threads), "--new-tokens", str(args.new_tokens), "--cpu", str(args.cpu)]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        if VARIANTS[variant].optimum:  # its venv has torch and optimum-intel; aitune_hf (the timer) from this checkout
+            env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
         # cold: an empty Inductor cache per worker, inside the run's temporary folder (removed at the end)
         env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"inductor_{variant}_", dir=folder.parent)
         self.log_path = log_path
@@ -341,9 +443,10 @@ class Process:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            self.proc.wait()
+            code = self.proc.wait()
             tail = self.log_path.read_text().strip().splitlines()[-5:]
-            return {"error": f"worker exited ({self.proc.returncode}): {' | '.join(tail)[-300:]}"}
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            return {"error": f"worker died ({how}): {' | '.join(tail)[-300:]}"}
         return json.loads(line)
 
     def ask(self, command: str) -> dict[str, Any]:
@@ -364,7 +467,11 @@ def run_model(kind: str, folder: Path, args: argparse.Namespace, say: Any) -> di
     live: dict[str, Process] = {}
     try:
         for name in args.variants:  # one at a time: compiles and tuning are not timed under contention
-            process = Process(name, folder, args, folder.parent / f"{kind}_{name}.log")
+            if VARIANTS[name].optimum and not args.optimum_python:
+                results[name].error = "not run: no --optimum-python (optimum-intel installs in a venv of its own)"
+                say(f"  {name}: {results[name].error}")
+                continue
+            process = Process(name, kind, folder, args, folder.parent / f"{kind}_{name}.log")
             info = process.read()
             if "error" in info:
                 results[name].error = info["error"]
@@ -374,7 +481,7 @@ def run_model(kind: str, folder: Path, args: argparse.Namespace, say: Any) -> di
             results[name].info = info
             live[name] = process
             one_off = f", one-off {info['one_off_s']:.1f} s" if "one_off_s" in info else ""
-            say(f"  {name}: prepared{one_off}; dynamo {info['dynamo']}")
+            say(f"  {name}: prepared{one_off}; dynamo {info.get('dynamo', '-')}")
             if "report" in info:
                 say(f"  {name}: served in decode {info['decode_served']}; aitune report:")
                 say("    " + info["report"].replace("\n", "\n    "))
@@ -406,7 +513,8 @@ def summarize(results: dict[str, Result], n: int) -> tuple[list[dict[str, Any]],
     eager_tps = statistics.median(tps["eager"]) if "eager" in tps else None
     for name, result in results.items():
         variant = VARIANTS[name]
-        row: dict[str, Any] = {"variant": name, "describe": variant.describe, "error": result.error}
+        describe = result.info.get("describe", variant.describe)
+        row: dict[str, Any] = {"variant": name, "describe": describe, "error": result.error}
         if name in tps:
             rounds = result.rounds
             row["prefill_ms"] = statistics.median(r["t1"] for r in rounds) * 1e3
@@ -441,6 +549,14 @@ def summarize(results: dict[str, Result], n: int) -> tuple[list[dict[str, Any]],
             f"baseline {best} {statistics.median(tps[best]):.0f} tok/s: {ratio:.3f}x ± {spread:.3f} "
             f"(target >= {BASELINE_MARGIN}); tokens equal to eager: {'yes' if equal else 'NO'}"
         )
+        if "openvino_bf16" in tps:  # reduced precision: the peer in bf16 beside our fp32 (tokens may differ in bf16)
+            other = [a / b for a, b in zip(tps[mine], tps["openvino_bf16"], strict=True)]
+            equal_bf16 = next(row.get("tokens_equal") for row in rows if row["variant"] == "openvino_bf16")
+            verdicts.append(
+                f"beside it: {mine} (fp32) vs openvino_bf16 {statistics.median(tps['openvino_bf16']):.0f} tok/s: "
+                f"{statistics.median(other):.3f}x ± {_iqr(other):.3f} (bf16 tokens equal to eager's: "
+                f"{'yes' if equal_bf16 else 'NO'})"
+            )
         if "hf_autocompile" in tps:
             other = [a / b for a, b in zip(tps[mine], tps["hf_autocompile"], strict=True)]
             verdicts.append(
@@ -534,7 +650,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", type=int, help="core every worker pins itself to for timing (-1: no pinning)")
     parser.add_argument("--out", type=Path, default=RESULTS / "generation.md")
     parser.add_argument("--quick", action="store_true", help="smoke run: llama, 16 new tokens, 2 rounds")
+    parser.add_argument(
+        "--optimum-python",
+        default=os.environ.get("AITUNE_OPTIMUM_PYTHON"),
+        help="the Python of a venv with optimum-intel[openvino] (default: $AITUNE_OPTIMUM_PYTHON); without it the "
+        "openvino_* rows are not run",
+    )
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--kind", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.cpu is None:
@@ -542,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker_main(args)
 
-    args.models = args.models or (["llama"] if args.quick else list(MODELS))
+    args.models = args.models or (["llama"] if args.quick else list(DEFAULT_MODELS))
     args.rounds = args.rounds or (2 if args.quick else 7)
     args.new_tokens = args.new_tokens or (16 if args.quick else 64)
     if "eager" not in args.variants:
@@ -578,6 +701,10 @@ def main(argv: list[str] | None = None) -> int:
             for line in verdicts:
                 print(f"  {line}", flush=True)
             models[kind] = (rows, verdicts, results)
+            for result in results.values():
+                if "versions" in result.info:
+                    versions = ", ".join(f"{k} {v}" for k, v in result.info["versions"].items())
+                    setting["optimum-intel's venv"] = f"{versions} ({args.optimum_python})"
     setting["wall time"] = f"{wall.seconds:.0f} s"
     text = markdown(setting, models, args.new_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
