@@ -32,6 +32,11 @@ object, and Dynamo's recompile limit is per code object):
   path: reported beside the documented baselines, not among them;
 - aitune_blocks: static cache, `enable_aitune("blocks", backends=["inductor", "onnxruntime"])`;
 - aitune_components: static cache, `enable_aitune("components", backends=["inductor"])` (the whole model);
+- aitune_openvino_decoder: dynamic cache, `enable_aitune("components", backends=["inductor", "openvino_decoder"])`:
+  the whole model by Inductor or by OpenVINO's stateful form (the KV cache kept in the engine), the faster per step
+  kind;
+- aitune_components_dynamic: the same as aitune_components with generate()'s default dynamic cache (no 4D mask
+  built per step by generate(); the growing cache makes Dynamo's graph symbolic in its length);
 - aitune_auto: static cache, `enable_aitune("auto")` with the default backends (a generative model is tried
   whole with Inductor as well as ONNX Runtime).
 - eager_optimum_venv: eager in optimum-intel's venv, its own (older) Transformers: the generate() loop the
@@ -125,6 +130,34 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
 DEFAULT_MODELS = ("llama", "qwen3")
 
 
+#: --size: "tiny" is the sizes above; "medium" a model whose decode step is engine time more than Python (about 0.3 B
+#: parameters with 8 layers): what a generate() loop's own overhead per step weighs at a size users serve.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "medium": {
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "intermediate_size": 2816,
+        "vocab_size": 32000,
+    },
+}
+_SEQ2SEQ_NAMES = {
+    "hidden_size": ("d_model",),
+    "num_attention_heads": ("encoder_attention_heads", "decoder_attention_heads"),
+    "intermediate_size": ("encoder_ffn_dim", "decoder_ffn_dim"),
+    "vocab_size": ("vocab_size",),
+}
+
+
+def _sized(kind: str, fields: dict[str, Any], size: str) -> dict[str, Any]:
+    """`fields` with `size`'s overrides, in the model's own field names."""
+    changes = SIZES[size]
+    if kind != "bart":
+        return {**fields, **changes}
+    return {**fields, **{name: v for k, v in changes.items() for name in _SEQ2SEQ_NAMES.get(k, ())}}
+
+
 def _layers(kind: str, layers: int) -> dict[str, int]:
     return {"encoder_layers": layers, "decoder_layers": layers} if kind == "bart" else {"num_hidden_layers": layers}
 
@@ -166,6 +199,18 @@ VARIANTS: dict[str, Variant] = {
         Variant("aitune_components", True, False, 'static cache + enable_aitune("components", inductor)'),
         Variant("aitune_auto", True, False, 'static cache + enable_aitune("auto"), default backends'),
         Variant(
+            "aitune_openvino_decoder",
+            False,
+            False,
+            'dynamic cache + enable_aitune("components", backends=["inductor", "openvino_decoder"])',
+        ),
+        Variant(
+            "aitune_components_dynamic",
+            False,
+            False,
+            'dynamic cache (generate()\'s default) + enable_aitune("components", inductor)',
+        ),
+        Variant(
             "eager_optimum_venv",
             False,
             False,
@@ -189,14 +234,14 @@ VARIANTS: dict[str, Variant] = {
 # -- models (parent) --------------------------------------------------------------------------------------------
 
 
-def build_model(kind: str, folder: Path, layers: int) -> Path:
+def build_model(kind: str, folder: Path, layers: int, size: str = "tiny") -> Path:
     """A random-weight causal LM of `kind` written to `folder` with a GenerationConfig for greedy decoding."""
     import torch
     import transformers
     from transformers import GenerationConfig
 
     config_class, fields, auto_class, _ = MODELS[kind]
-    config = getattr(transformers, config_class)(**_layers(kind, layers), **fields)
+    config = getattr(transformers, config_class)(**_layers(kind, layers), **_sized(kind, fields, size))
     torch.manual_seed(0)
     model = getattr(transformers, auto_class).from_config(config).eval()
     ids = {k: COMMON[k] for k in ("pad_token_id", "eos_token_id", "bos_token_id")}
@@ -298,7 +343,10 @@ class Worker:
                     self.model.enable_aitune("blocks", backends=["inductor", "onnxruntime"], progress=False)
                 elif name == "aitune_auto":
                     self.model.enable_aitune("auto", progress=False)
-                else:
+                elif name == "aitune_openvino_decoder":
+                    backends = ["inductor", "openvino_decoder"]
+                    self.model.enable_aitune("components", backends=backends, progress=False)
+                else:  # aitune_components, with the static cache or generate()'s default dynamic one
                     self.model.enable_aitune("components", backends=["inductor"], progress=False)
                 while not self.model.aitune.all_tuned and calls < WARMUP_LIMIT:
                     self.generate(n)
@@ -549,6 +597,14 @@ def summarize(results: dict[str, Result], n: int) -> tuple[list[dict[str, Any]],
             f"baseline {best} {statistics.median(tps[best]):.0f} tok/s: {ratio:.3f}x ± {spread:.3f} "
             f"(target >= {BASELINE_MARGIN}); tokens equal to eager: {'yes' if equal else 'NO'}"
         )
+        if best != "compile_forward" and "compile_forward" in tps:  # Transformers' documented recipe
+            other = [a / b for a, b in zip(tps[mine], tps["compile_forward"], strict=True)]
+            verdicts.append(
+                f"beside it: {mine} vs compile_forward (Transformers' compile recipe) "
+                f"{statistics.median(tps['compile_forward']):.0f} tok/s: {statistics.median(other):.3f}x ± "
+                f"{_iqr(other):.3f}; one-off {_one_off(results, mine)} s against "
+                f"{_one_off(results, 'compile_forward')} s"
+            )
         if "openvino_bf16" in tps:  # reduced precision: the peer in bf16 beside our fp32 (tokens may differ in bf16)
             other = [a / b for a, b in zip(tps[mine], tps["openvino_bf16"], strict=True)]
             equal_bf16 = next(row.get("tokens_equal") for row in rows if row["variant"] == "openvino_bf16")
@@ -567,6 +623,11 @@ def summarize(results: dict[str, Result], n: int) -> tuple[list[dict[str, Any]],
     elif not ours:
         verdicts.append("aitune_hf: no measurement")
     return rows, verdicts
+
+
+def _one_off(results: dict[str, Result], name: str) -> str:
+    seconds = results[name].info.get("one_off_s")
+    return "-" if seconds is None else f"{seconds:.1f}"
 
 
 def _iqr(values: list[float]) -> float:
@@ -645,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 7; --quick: 2)")
     parser.add_argument("--new-tokens", type=int, help="max_new_tokens = min_new_tokens (default 64; --quick: 16)")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers of both models")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of each model")
+    parser.add_argument("--size", choices=list(SIZES), default="tiny", help="the models' widths (SIZES)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
     parser.add_argument("--cpu", type=int, help="core every worker pins itself to for timing (-1: no pinning)")
     parser.add_argument("--out", type=Path, default=RESULTS / "generation.md")
@@ -688,13 +750,14 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": transformers.__version__,
         "rounds": args.rounds,
         "call": f"batch 1, prompt {PROMPT_TOKENS} tokens, greedy, {args.new_tokens} new tokens",
-        "models": f"{args.layers} layers, " + ", ".join(f"{k} {v}" for k, v in COMMON.items() if "token_id" not in k),
+        "models": f"{args.layers} layers, "
+        + ", ".join(f"{k} {v}" for k, v in {**COMMON, **SIZES[args.size]}.items() if "token_id" not in k),
     }
     print(f"setting: {setting}", flush=True)
     models = {}
     with Stopwatch() as wall, tempfile.TemporaryDirectory(prefix="aitune_gen_") as root:
         for kind in args.models:
-            folder = build_model(kind, Path(root) / kind, args.layers)
+            folder = build_model(kind, Path(root) / kind, args.layers, args.size)
             print(f"== {kind}", flush=True)
             results = run_model(kind, folder, args, lambda text: print(text, flush=True))
             rows, verdicts = summarize(results, args.new_tokens)

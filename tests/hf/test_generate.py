@@ -447,3 +447,54 @@ def test_the_generation_recipe_gives_eagers_tokens_in_every_mode(lm_folders) -> 
         assert_same_generation(continued, want, "a cache left by a previous call")
     finally:
         model.disable_aitune()
+
+
+def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> None:
+    """`openvino_decoder` serves the prefill and the decode steps whole, the KV cache kept as OpenVINO's state and
+    written back into generate()'s DynamicCache after every step: every generate() gives eager's tokens and logits in
+    the same state. Served: the plain calls, and a second turn on the cache a first one left (its decode steps have
+    the plain calls' signature: the engine's state, not that cache's, is reloaded from it); compared: beam search,
+    which reorders the cache between steps, and a left-padded batch. A static cache makes it unavailable, with the
+    reason, and eager serves."""
+    pytest.importorskip("openvino")
+    model = load(lm_folders, "llama")
+    registration = model.enable_aitune("components", backends=["openvino_decoder"], **QUICK)
+    generator = torch.Generator().manual_seed(3)
+    plain = {"input_ids": torch.randint(3, 128, (2, 5), generator=generator)}
+    padded_ids = torch.randint(3, 128, (2, 7), generator=generator)
+    padded_ids[1, :3] = 0  # left padding
+    padded = {"input_ids": padded_ids, "attention_mask": (padded_ids != 0).long()}
+
+    def compare(label: str, feed: dict[str, torch.Tensor], **extra: Any) -> Any:
+        out = model.generate(**feed, **GENERATE, **extra)
+        with model.aitune.bypass():
+            ref = model.generate(**feed, **GENERATE, **extra)
+        assert_same_generation(out, ref, f"{label}; states {model.aitune.state_counts}")
+        return out, ref
+
+    try:
+        for call in range(3):
+            out, ref = compare(f"plain call {call + 1}", plain)
+        target = registration.targets["model"]
+        served = target.calls_served.get("openvino_decoder", 0)
+        assert served >= GENERATE["max_new_tokens"], registration.report()
+        continued = model.generate(input_ids=out.sequences, **GENERATE, cache=out.cache)
+        with model.aitune.bypass():
+            want = model.generate(input_ids=ref.sequences, **GENERATE, cache=ref.cache)
+        assert_same_generation(continued, want, "a second turn on the cache the first one left")
+        for got, expected in zip(cache_tensors(continued.cache), cache_tensors(want.cache), strict=True):
+            torch.testing.assert_close(got, expected, **TOL)  # the cache kept in step with the engine, as eager's
+        assert target.calls_served["openvino_decoder"] >= served + GENERATE["max_new_tokens"] - 1
+        compare("beam search", plain, num_beams=2)
+        compare("left-padded batch", padded)
+    finally:
+        model.disable_aitune()
+    model.generation_config.cache_implementation = "static"
+    registration = model.enable_aitune("components", backends=["openvino_decoder"], **QUICK)
+    try:
+        generate_and_compare(model, "llama")
+        reasons = " ".join(str(r.reason) for r in registration.reports.values())
+        assert "StaticCache" in reasons, registration.report()
+        assert "openvino_decoder" not in registration.targets["model"].calls_served
+    finally:
+        model.disable_aitune()

@@ -1,0 +1,274 @@
+"""`openvino_decoder`: a causal LM's forward served whole by OpenVINO's stateful form (issue 47).
+
+A decoder's step is a few milliseconds at the sizes users serve on a CPU, and most of it is matrix-vector products over
+the weights, where OpenVINO's engine is about twice torch's (`benchmarks/results/generation_medium.md`: a 4-layer,
+1024-wide Llama decodes at 2.01x eager through optimum-intel's stateful model, 1.03x through Transformers' compile
+recipe). This backend builds that form from the model itself, as optimum-intel does, without its package:
+
+- **The model**: the whole `...ForCausalLM` traced by `torch.export` through a wrapper whose inputs are the token ids,
+  the 2D attention mask, the positions and each layer's past keys and values (a `DynamicCache` made of them inside),
+  and whose outputs are the logits, each layer's new keys and values (this call's rows) and its present ones;
+  converted by OpenVINO's PyTorch frontend, the past inputs and present outputs turned into state variables (the KV
+  cache kept inside the engine, `apply_make_stateful_transformation`), each starting empty for the call's batch.
+- **Never stale**: the Hugging Face cache the model was given stays the source of truth. After every step this call's
+  new rows go into it through `cache.update` (what eager does, so it grows exactly as eager's would); before a step,
+  the engine's state is used only where it is known to equal that cache (the same object, the same length, its
+  tensors not replaced or changed in place since our last step); otherwise it is loaded from the cache (a new
+  `generate()`, the step after beam search reordered the cache, a cache another route or the user filled). Each
+  calling thread has its own infer request and state.
+- **Scope**: fp32 only (the f32 hint, read back), generate()'s default `DynamicCache`; a static cache, inputs
+  embeddings, labels or an encoder-decoder model make it unavailable for that call, with the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from aitune_hf.backends.base import Backend, BuiltBackend, Call, register_backend
+from aitune_hf.errors import CandidateUnavailable
+
+#: The forward's arguments a step may carry (each call's own values); any other one set makes the candidate unavailable.
+_SERVED = frozenset(
+    {"input_ids", "attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep", "return_dict"}
+)
+
+
+@register_backend
+class OpenVinoDecoderBackend(Backend):
+    """A causal LM's prefill and decode steps, whole, by OpenVINO with the KV cache kept as engine state."""
+
+    name = "openvino_decoder"
+    accepts_objects = True  # the KV cache, kept equal to eager's
+    bakes_weights = True  # OpenVINO holds its own copy of the weights
+    build_cost = "cheap"  # an export and a conversion: seconds
+    polymorphic = True  # every size may vary (batch, length, past): one build serves a shape family
+    builds_privately = True  # it traces a private copy (the live model keeps serving other threads)
+
+    def __init__(self, num_threads: int | None = None) -> None:
+        self.num_threads = num_threads
+
+    @classmethod
+    def versions(cls) -> dict[str, str | None]:
+        import transformers
+
+        from aitune_hf.backends.openvino import OpenVinoBackend
+
+        return {**OpenVinoBackend.versions(), "transformers": transformers.__version__, "aitune-hf decoder build": "1"}
+
+    def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
+        import importlib.util
+
+        if importlib.util.find_spec("openvino") is None:
+            return "openvino is not installed (pip install 'aitune_hf[openvino]')"
+        unsupported = sorted(str(d) for d in devices if d.type != "cpu")
+        if unsupported:
+            return f"the openvino_decoder backend runs on the CPU only, not on {', '.join(unsupported)}"
+        return None
+
+    def build(
+        self, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call], dynamic: bool = False
+    ) -> BuiltBackend:
+        from transformers import DynamicCache
+
+        signature = inspect.signature(forward)
+        bound = _arguments(signature, *samples[0])
+        cache = bound.get("cache")
+        config = getattr(module, "config", None)
+        if config is None or getattr(config, "is_encoder_decoder", False) or not hasattr(module, "get_decoder"):
+            raise CandidateUnavailable("openvino_decoder serves a decoder-only causal LM (a ...ForCausalLM) whole")
+        if type(cache) is not DynamicCache:
+            raise CandidateUnavailable(
+                f"openvino_decoder keeps generate()'s default DynamicCache in step, not a {type(cache).__name__} "
+                "(a static cache: leave cache_implementation unset)"
+            )
+        extra = sorted(k for k, v in bound.items() if k not in _SERVED and v is not None and v is not False)
+        if extra or not isinstance(bound.get("input_ids"), torch.Tensor):
+            raise CandidateUnavailable(f"openvino_decoder serves calls of token ids only, not with {extra or 'embeds'}")
+        keep = bound.get("logits_to_keep", 0)
+        if not isinstance(keep, int):
+            raise CandidateUnavailable("openvino_decoder keeps the last logits_to_keep logits as an int")
+        from aitune_hf.backends.onnx.export import private_twin
+
+        twin, twin_forward = private_twin(module, forward)
+        with torch.no_grad():
+            reference = twin_forward(**_arguments(signature, *_fresh(samples[0])))
+        fields = [k for k, v in reference.items() if v is not None]
+        if fields != ["logits", "cache"]:
+            raise CandidateUnavailable(f"openvino_decoder makes logits and the cache, this forward returns {fields}")
+        compiled, layers = _compile(twin, keep, self.num_threads)
+        dynamic_dims = None
+        if dynamic:  # as Inductor's: any size of any tensor of the call (the model was traced with every size free)
+            from torch.utils import _pytree as pytree
+
+            tensors = [leaf for leaf in pytree.tree_leaves(samples[0]) if isinstance(leaf, torch.Tensor)]
+            dynamic_dims = tuple(frozenset(range(t.dim())) for t in tensors)
+        fn = _Stepper(compiled, signature, layers, type(reference))
+        return BuiltBackend(fn=fn, bakes_weights=True, dynamic_dims=dynamic_dims)
+
+
+def _arguments(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by name (what **kwargs collected, flattened in)."""
+    bound = signature.bind(*args, **kwargs)
+    named = dict(bound.arguments)
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(named.pop(name, {}))
+    if "past_key_values" in named and "cache" not in named:
+        named["cache"] = named.pop("past_key_values")
+    return named
+
+
+def _fresh(call: Call) -> Call:
+    """`call` with its cache deep-copied (the reference run must not grow the sample's cache)."""
+    import copy
+
+    return copy.deepcopy(call)
+
+
+def _compile(module: torch.nn.Module, keep: int, num_threads: int | None) -> tuple[Any, int]:
+    """The whole model as OpenVINO's stateful form, compiled in f32 (see the module docstring); and its layer count."""
+    import numpy as np
+    import openvino
+    from openvino import opset13
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    from aitune_hf.backends.openvino import OpenVinoBackend, _check_precision, _core
+
+    config = module.config
+    layers = config.num_hidden_layers
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = next(module.parameters()).dtype
+    step = _Step(module, layers, keep).eval()
+    batch, length, past = 2, 3, 4  # an example of every size that varies (none of them 1: export specialises 1)
+    example = (
+        torch.randint(0, config.vocab_size, (batch, length)),
+        torch.ones(batch, past + length, dtype=torch.long),
+        torch.arange(past, past + length).expand(batch, length),
+        [torch.zeros(batch, heads, past, head_dim, dtype=dtype) for _ in range(2 * layers)],
+    )
+    auto = torch.export.Dim.AUTO
+    shapes = ({0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 1: auto}, [{0: auto, 2: auto}] * (2 * layers))
+    from aitune_hf.backends.onnx.export import exporting
+
+    try:
+        with torch.no_grad(), exporting():
+            program = torch.export.export(step, example, dynamic_shapes=shapes, strict=False)
+        model = openvino.convert_model(program)
+    except Exception as error:  # an architecture the trace or the frontend does not take: this candidate's reason
+        raise CandidateUnavailable(f"openvino_decoder could not trace or convert this model: {error}") from None
+    inputs = ["input_ids", "attention_mask", "position_ids", *(f"past.{i}" for i in range(2 * layers))]
+    outputs = ["logits", *(f"new.{i}" for i in range(2 * layers)), *(f"present.{i}" for i in range(2 * layers))]
+    if len(model.inputs) != len(inputs) or len(model.outputs) != len(outputs):
+        raise CandidateUnavailable("openvino_decoder: the converted model's inputs or outputs are not the wrapper's")
+    for port, name in (*zip(model.inputs, inputs, strict=True), *zip(model.outputs, outputs, strict=True)):
+        port.get_tensor().set_names({name})
+    apply_make_stateful_transformation(model, {f"past.{i}": f"present.{i}" for i in range(2 * layers)})
+    # Each state starts empty for the call's batch: (batch, heads, 0, head_dim), the batch read from the token ids.
+    rows = opset13.gather(opset13.shape_of(model.input("input_ids"), "i64"), opset13.constant([0]), opset13.constant(0))
+    for op in model.get_ops():
+        if op.get_type_name() == "ReadValue":
+            sizes = [opset13.constant(np.array([size], dtype=np.int64)) for size in (heads, 0, head_dim)]
+            shape = opset13.concat([rows, *sizes], axis=0)
+            op.set_arguments([opset13.broadcast(opset13.constant(0.0, dtype=op.get_output_element_type(0)), shape)])
+    model.validate_nodes_and_infer_types()
+    properties = OpenVinoBackend(precision="fp32", num_threads=num_threads).config()
+    compiled = _core().compile_model(model, "CPU", properties)
+    _check_precision(compiled, "f32")
+    return compiled, layers
+
+
+class _Step(torch.nn.Module):
+    """The traced step: a `DynamicCache` made of the past tensors, the model called on it, this call's rows and the
+    present tensors read back."""
+
+    def __init__(self, model: torch.nn.Module, layers: int, keep: int) -> None:
+        super().__init__()
+        self.model, self.layers, self.keep = model, layers, keep
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        past: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        # Filled directly: an empty layer's first update concatenates onto a 1-D empty tensor, which OpenVINO's
+        # frontend cannot convert.
+        for i, layer in enumerate(cache.layers[: self.layers]):
+            layer.device = past[0].device
+            layer.keys, layer.values = past[2 * i], past[2 * i + 1]
+            layer.is_initialized = True
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=self.keep,
+        )
+        length = input_ids.shape[1]
+        new = [t[:, :, -length:] for layer in cache.layers[: self.layers] for t in (layer.keys, layer.values)]
+        present = [t for layer in cache.layers[: self.layers] for t in (layer.keys, layer.values)]
+        return (out.logits, *new, *present)
+
+
+class _Stepper:
+    """The built callable: one step on this thread's infer request, its state checked against the cache first."""
+
+    def __init__(self, compiled: Any, signature: inspect.Signature, layers: int, output: type) -> None:
+        self._compiled, self._signature, self._layers, self._output = compiled, signature, layers, output
+        self._local = threading.local()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import numpy as np
+        import openvino
+
+        named = _arguments(self._signature, args, kwargs)
+        ids, cache = named["input_ids"], named["cache"]
+        batch, length = ids.shape
+        past = cache.get_seq_length()
+        mask = named.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(batch, past + length, dtype=torch.long)
+        positions = named.get("position_ids")
+        if positions is None:  # as the model computes them without: the cache's length on
+            positions = torch.arange(past, past + length).expand(batch, length)
+        local = self._local
+        if getattr(local, "request", None) is None:
+            local.request, local.seen = self._compiled.create_infer_request(), None
+        request = local.request
+        if past == 0:
+            request.reset_state()
+        elif local.seen != (weakref.ref(cache), past, _stamp(cache)):  # not the state this engine holds: load it
+            states = {state.name: state for state in request.query_state()}
+            for i, layer in enumerate(cache.layers[: self._layers]):
+                for j, tensor in enumerate((layer.keys, layer.values)):
+                    data = np.ascontiguousarray(tensor.detach().numpy())
+                    states[f"past.{2 * i + j}present.{2 * i + j}"].state = openvino.Tensor(data)  # OpenVINO's name
+        feeds = {
+            "input_ids": ids.numpy(),
+            "attention_mask": mask.to(torch.long).numpy(),
+            "position_ids": positions.to(torch.long).numpy(),
+        }
+        result = request.infer(feeds)
+        for i in range(self._layers):
+            keys = torch.from_numpy(np.array(result[f"new.{2 * i}"]))
+            values = torch.from_numpy(np.array(result[f"new.{2 * i + 1}"]))
+            cache.update(keys, values, i)
+        local.seen = (weakref.ref(cache), past + length, _stamp(cache))
+        return self._output(logits=torch.from_numpy(np.array(result["logits"])), cache=cache)
+
+
+def _stamp(cache: Any) -> tuple[Any, ...]:
+    """What changes when a cache's tensors are replaced (beam search's reorder) or written in place."""
+    return tuple((id(t), t._version) for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
