@@ -90,7 +90,9 @@ def test_the_first_plan_serves_from_the_call_that_tuned_and_the_search_switches_
     the report names the first plan and what the search did, and the registration gives both figures (first tuned call,
     final plan)."""
     model, x = Waiting(), torch.randn(4, 8)
-    first, faster = Waits("first_plan", 0.008), Waits("faster", 0.0)
+    # The faster one takes a second to build: the worker's search cannot have replaced the first plan before this test
+    # reads what the tuning call left (an idle worker once did it within the 0.4 s of the tuning call).
+    first, faster = Waits("first_plan", 0.008), Waits("faster", 0.0, build_s=1.0)
     registration, out = _tune(model, {**ANYTIME, "backends": [first, faster]}, x)
     target = registration.targets["Waiting"]
     assert target.state is TargetState.TUNED and target.report().backend == "first_plan", registration.report()
