@@ -70,7 +70,6 @@ Results: benchmarks/results/generation.md (or --out).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import signal
@@ -393,6 +392,8 @@ class Worker:
         import optimum.intel
         import transformers
 
+        from aitune_hf.backends.base import installed_version
+
         hint = "bf16" if self.variant.precision == "bf16" else "f32"
         config = {"INFERENCE_PRECISION_HINT": hint, "INFERENCE_NUM_THREADS": str(self.threads)}
         with Stopwatch() as watch:
@@ -403,7 +404,7 @@ class Worker:
         info["one_off_s"] = watch.seconds
         info["stateful"] = bool(getattr(self.model, "stateful", False))
         info["versions"] = {
-            "optimum-intel": _version("optimum-intel"),
+            "optimum-intel": installed_version("optimum-intel"),
             "openvino": openvino.__version__,
             "transformers": transformers.__version__,
         }
@@ -447,13 +448,6 @@ def worker_main(args: argparse.Namespace) -> int:
             protocol.write(json.dumps({"dynamo": _dynamo_counts()}) + "\n")
             return 0
     return 0
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 # -- parent -----------------------------------------------------------------------------------------------------
@@ -597,29 +591,27 @@ def summarize(results: dict[str, Result], n: int) -> tuple[list[dict[str, Any]],
             f"baseline {best} {statistics.median(tps[best]):.0f} tok/s: {ratio:.3f}x ± {spread:.3f} "
             f"(target >= {BASELINE_MARGIN}); tokens equal to eager: {'yes' if equal else 'NO'}"
         )
-        if best != "compile_forward" and "compile_forward" in tps:  # Transformers' documented recipe
-            other = [a / b for a, b in zip(tps[mine], tps["compile_forward"], strict=True)]
+
+        def beside(peer: str, head: str, after: str = "") -> None:
+            """A verdict line: `mine` against `peer` in the same rounds (median of the rounds' ratios ± IQR)."""
+            other = [a / b for a, b in zip(tps[mine], tps[peer], strict=True)]
             verdicts.append(
-                f"beside it: {mine} vs compile_forward (Transformers' compile recipe) "
-                f"{statistics.median(tps['compile_forward']):.0f} tok/s: {statistics.median(other):.3f}x ± "
-                f"{_iqr(other):.3f}; one-off {_one_off(results, mine)} s against "
-                f"{_one_off(results, 'compile_forward')} s"
+                f"beside it: {mine} {head} {statistics.median(tps[peer]):.0f} tok/s: "
+                f"{statistics.median(other):.3f}x ± {_iqr(other):.3f}{after}"
             )
+
+        if best != "compile_forward" and "compile_forward" in tps:  # Transformers' documented recipe
+            one_off = f"; one-off {_one_off(results, mine)} s against {_one_off(results, 'compile_forward')} s"
+            beside("compile_forward", "vs compile_forward (Transformers' compile recipe)", one_off)
         if "openvino_bf16" in tps:  # reduced precision: the peer in bf16 beside our fp32 (tokens may differ in bf16)
-            other = [a / b for a, b in zip(tps[mine], tps["openvino_bf16"], strict=True)]
             equal_bf16 = next(row.get("tokens_equal") for row in rows if row["variant"] == "openvino_bf16")
-            verdicts.append(
-                f"beside it: {mine} (fp32) vs openvino_bf16 {statistics.median(tps['openvino_bf16']):.0f} tok/s: "
-                f"{statistics.median(other):.3f}x ± {_iqr(other):.3f} (bf16 tokens equal to eager's: "
-                f"{'yes' if equal_bf16 else 'NO'})"
+            beside(
+                "openvino_bf16",
+                "(fp32) vs openvino_bf16",
+                f" (bf16 tokens equal to eager's: {'yes' if equal_bf16 else 'NO'})",
             )
         if "hf_autocompile" in tps:
-            other = [a / b for a, b in zip(tps[mine], tps["hf_autocompile"], strict=True)]
-            verdicts.append(
-                f"beside it: {mine} vs hf_autocompile (generate's compile forced on CPU) "
-                f"{statistics.median(tps['hf_autocompile']):.0f} tok/s: {statistics.median(other):.3f}x ± "
-                f"{_iqr(other):.3f}"
-            )
+            beside("hf_autocompile", "vs hf_autocompile (generate's compile forced on CPU)")
     elif not ours:
         verdicts.append("aitune_hf: no measurement")
     return rows, verdicts
