@@ -70,6 +70,7 @@ Results: benchmarks/results/generation.md (or --out).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import signal
@@ -392,8 +393,6 @@ class Worker:
         import optimum.intel
         import transformers
 
-        from aitune_hf.backends.base import installed_version
-
         hint = "bf16" if self.variant.precision == "bf16" else "f32"
         config = {"INFERENCE_PRECISION_HINT": hint, "INFERENCE_NUM_THREADS": str(self.threads)}
         with Stopwatch() as watch:
@@ -404,7 +403,7 @@ class Worker:
         info["one_off_s"] = watch.seconds
         info["stateful"] = bool(getattr(self.model, "stateful", False))
         info["versions"] = {
-            "optimum-intel": installed_version("optimum-intel"),
+            "optimum-intel": importlib.metadata.version("optimum-intel"),
             "openvino": openvino.__version__,
             "transformers": transformers.__version__,
         }
