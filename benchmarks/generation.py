@@ -280,6 +280,21 @@ def _served(model: Any) -> Counter[str]:
     return total
 
 
+def _kv_cache_precision(model: Any) -> str | None:
+    """The element type OpenVINO keeps a stateful model's KV cache in (its `KV_CACHE_PRECISION`, read from the compiled
+    decoder), or None where it cannot be read."""
+    for owner in (model, getattr(model, "decoder", None)):
+        request = getattr(owner, "request", None)
+        if request is None:
+            continue
+        try:
+            kept = request.get_compiled_model().get_property("KV_CACHE_PRECISION")
+        except Exception:  # an OpenVINO without the property, or a request of another kind
+            return None
+        return kept.to_string() if hasattr(kept, "to_string") else str(kept)
+    return None
+
+
 class Worker:
     """One variant's model: prepared once, then one timed (1-token, N-token) pair per round."""
 
@@ -408,6 +423,11 @@ class Worker:
             "transformers": transformers.__version__,
         }
         info["describe"] = _OPTIMUM.format(cls=optimum_class, hint=hint)
+        kept = _kv_cache_precision(self.model)
+        if (
+            kept is not None
+        ):  # OpenVINO's CPU plugin keeps the fused attention's cache in f16 unless told, even under f32
+            info["describe"] += f", KV cache {kept} (read back)"
         return info
 
     def round(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ armed after the first generate() and runs at the start of the second, before its
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -476,6 +477,16 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
         target = registration.targets["model"]
         served = target.calls_served.get("openvino_decoder", 0)
         assert served >= GENERATE["max_new_tokens"], registration.report()
+        # The engine's form: each layer's attention fused with its cache (OpenVINO's StatefulSDPAFusion, which needs
+        # the state read through a beam Gather and no third reader of the concatenated cache), the cache kept in f32.
+        engines = {id(r.built.fn): r.built.fn for rs in target._routes.values() for r in rs if r.built is not None}
+        for engine in engines.values():
+            kinds = Counter(
+                op.get_rt_info()["layerType"].astype(str) for op in engine._compiled.get_runtime_model().get_ops()
+            )
+            layers = model.config.num_hidden_layers
+            assert kinds["ScaledDotProductAttention"] == layers and kinds["Softmax"] == 0, kinds
+            assert engine._compiled.get_property("KV_CACHE_PRECISION").to_string() == "f32"
         continued = model.generate(input_ids=out.sequences, **GENERATE, cache=out.cache)
         with model.aitune.bypass():
             want = model.generate(input_ids=ref.sequences, **GENERATE, cache=ref.cache)
