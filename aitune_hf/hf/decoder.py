@@ -50,7 +50,10 @@ class OpenVinoDecoderBackend(Backend):
     bakes_weights = True  # OpenVINO holds its own copy of the weights
     # Not `polymorphic`: the core tunes calls that hold a cache one signature at a time (their sizes are not all in
     # the signature), and its one-time check of a new shape would run eager and the build on the same cache.
-    build_cost = "cheap"  # an export and a conversion: seconds
+    # As slow as Inductor's compile: torch.export of the whole model, its decompositions and OpenVINO's conversion take
+    # 8-15 s for a 4-layer model. Were it a cheap build, its clear win over eager would skip Inductor, which serves a
+    # small model's decode step faster (256 wide: 1.67x eager against 1.24x, benchmarks/results/generation.md).
+    build_cost = "slow"
     builds_privately = True  # it traces a private copy (the live model keeps serving other threads)
 
     def __init__(self, num_threads: int | None = None) -> None:

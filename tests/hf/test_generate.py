@@ -456,6 +456,7 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
     the same state. Served: the plain calls, and a second turn on the cache a first one left (its decode steps have
     the plain calls' signature: the engine's state, not that cache's, is reloaded from it); compared: beam search,
     which reorders the cache between steps. A static cache makes it unavailable, with the reason, and eager serves.
+    The engine's form is asserted too: the attention fused with the cache, the cache kept in f32.
     (A left-padded batch passes a 2D mask that grows every step: each step is a signature of its own, eager until
     tuned; the recipe test above compares such a batch, and tuning each of its steps here cost the suite 30 s.)"""
     pytest.importorskip("openvino")
