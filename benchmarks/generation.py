@@ -35,6 +35,10 @@ object, and Dynamo's recompile limit is per code object):
 - aitune_openvino_decoder: dynamic cache, `enable_aitune("components", backends=["inductor", "openvino_decoder"])`:
   the whole model by Inductor or by OpenVINO's stateful form (the KV cache kept in the engine), the faster per step
   kind;
+- aitune_openvino_decoder_bf16: dynamic cache, `enable_aitune("components", backends=["openvino_decoder"],
+  precision=["fp32", "bf16"])`: OpenVINO's stateful form in f32 and bf16 (the bf16 engine first run in the build
+  process), the faster per step kind; bf16 serves only after the end-to-end gate (every token eager's on the call it
+  replays, the default budget); compared with openvino_bf16, its gate's figure beside it;
 - aitune_components_dynamic: the same as aitune_components with generate()'s default dynamic cache (no 4D mask
   built per step by generate(); the growing cache makes Dynamo's graph symbolic in its length);
 - aitune_auto: static cache, `enable_aitune("auto")` with the default backends (a generative model is tried
@@ -205,6 +209,14 @@ VARIANTS: dict[str, Variant] = {
             'dynamic cache + enable_aitune("components", backends=["inductor", "openvino_decoder"])',
         ),
         Variant(
+            "aitune_openvino_decoder_bf16",
+            False,
+            False,
+            'dynamic cache + enable_aitune("components", backends=["openvino_decoder"], precision=["fp32", "bf16"]) '
+            "(the default tokens budget: every token eager's on the call the gate replays)",
+            precision="bf16",
+        ),
+        Variant(
             "aitune_components_dynamic",
             False,
             False,
@@ -361,6 +373,10 @@ class Worker:
                 elif name == "aitune_openvino_decoder":
                     backends = ["inductor", "openvino_decoder"]
                     self.model.enable_aitune("components", backends=backends, progress=False)
+                elif name == "aitune_openvino_decoder_bf16":
+                    precision = ["fp32", "bf16"]
+                    self.model.enable_aitune("components", backends=["openvino_decoder"], precision=precision,
+                                             progress=False)  # fmt: skip
                 else:  # aitune_components, with the static cache or generate()'s default dynamic one
                     self.model.enable_aitune("components", backends=["inductor"], progress=False)
                 while not self.model.aitune.all_tuned and calls < WARMUP_LIMIT:
@@ -596,7 +612,7 @@ def summarize(results: dict[str, Result], n: int) -> tuple[list[dict[str, Any]],
         rows.append(row)
     verdicts = []
     baselines = [k for k in tps if VARIANTS[k].documented_baseline]
-    ours = [k for k in tps if k.startswith("aitune")]
+    ours = [k for k in tps if k.startswith("aitune") and VARIANTS[k].precision == "fp32"]
     if baselines and ours:
         best = max(baselines, key=lambda k: statistics.median(tps[k]))
         mine = max(ours, key=lambda k: statistics.median(tps[k]))
@@ -631,6 +647,21 @@ def summarize(results: dict[str, Result], n: int) -> tuple[list[dict[str, Any]],
             )
         if "hf_autocompile" in tps:
             beside("hf_autocompile", "vs hf_autocompile (generate's compile forced on CPU)")
+    reduced = [k for k in tps if k.startswith("aitune") and VARIANTS[k].precision != "fp32"]
+    if reduced and "openvino_bf16" in tps:  # reduced precision against its own kind, the quality beside the speed
+        for name in reduced:
+            ratios = [a / b for a, b in zip(tps[name], tps["openvino_bf16"], strict=True)]
+            equal = {
+                k: next(row.get("tokens_equal") for row in rows if row["variant"] == k) for k in (name, "openvino_bf16")
+            }
+            lines = results[name].info.get("report", "").splitlines()
+            gate = next((line for line in lines if line.startswith("quality")), "quality: no gate ran")
+            verdicts.append(
+                f"reduced precision: {name} decode {statistics.median(tps[name]):.0f} tok/s vs openvino_bf16 "
+                f"{statistics.median(tps['openvino_bf16']):.0f} tok/s: {statistics.median(ratios):.3f}x ± "
+                f"{_iqr(ratios):.3f}; tokens equal to eager: ours {'yes' if equal[name] else 'NO'}, openvino_bf16 "
+                f"{'yes' if equal['openvino_bf16'] else 'NO'}; our end-to-end gate: {gate.removeprefix('quality: ')}"
+            )
     elif not ours:
         verdicts.append("aitune_hf: no measurement")
     return rows, verdicts

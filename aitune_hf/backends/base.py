@@ -341,7 +341,7 @@ def run_in_build_process(fn: Callable[..., Any], *args: Any) -> Any:
         except BaseException as error:  # the worker died, or this thread was interrupted mid-call: start afresh
             code = _stop_build_process()
             if isinstance(error, Exception):
-                raise TuningError(f"the build process ended (exit code {code}) before it answered") from error
+                raise TuningError(f"the build process ended ({_exit_text(code)}) before it answered") from error
             raise
     status, value = pickle.loads(reply)
     if status != "ok":
@@ -432,6 +432,18 @@ def _start_build_process() -> None:
 
 
 _atexit_registered = False
+
+
+def _exit_text(code: int | None) -> str:
+    """A worker's exit code as a reader wants it: "exit code 1", "killed by SIGFPE"."""
+    if code is not None and code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
 
 
 def _stop_build_process() -> int | None:

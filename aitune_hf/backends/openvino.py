@@ -540,6 +540,35 @@ def _core() -> Any:
         return _ov_core
 
 
+def run_elsewhere_first(model: Any, properties: dict[str, Any], feeds: Sequence[dict[str, Any]], what: str) -> None:
+    """Compile `model` with `properties` and run `feeds` (NumPy inputs by name, in order, on one infer request) in the
+    build process (`run_in_build_process`) before this process compiles it: an engine that aborts its process
+    (OpenVINO's bf16 stateful decoder died with SIGFPE before its first token on an Intel Xeon with AMX, issue 47)
+    then costs the candidate, never the caller's process. Raises `CandidateUnavailable` naming what happened there."""
+    import tempfile
+
+    import openvino
+
+    from aitune_hf.backends.base import run_in_build_process
+
+    with tempfile.TemporaryDirectory(prefix="aitune_hf_probe_") as folder:
+        path = Path(folder) / "model.xml"
+        openvino.save_model(model, path, compress_to_fp16=False)
+        try:
+            run_in_build_process(_compile_and_run, str(path), dict(properties), list(feeds))
+        except TuningError as error:
+            raise CandidateUnavailable(f"{what}, run first in the build process, failed there ({error})") from None
+
+
+def _compile_and_run(path: str, properties: dict[str, Any], feeds: list[dict[str, Any]]) -> bool:
+    """In the build process: `run_elsewhere_first`'s compile and runs."""
+    core = _core()
+    request = core.compile_model(core.read_model(path), "CPU", properties).create_infer_request()
+    for feed in feeds:
+        request.infer(feed)
+    return True
+
+
 def _check_precision(compiled: Any, hint: str) -> None:
     """Refuse a compiled model that computes in another precision than asked for (never silently lossy)."""
     got = str(compiled.get_property("INFERENCE_PRECISION_HINT"))

@@ -33,7 +33,10 @@ from typing import Any
 import torch
 
 from aitune_hf.backends.base import Backend, BuiltBackend, Call, register_backend
-from aitune_hf.errors import CandidateUnavailable
+from aitune_hf.errors import CandidateUnavailable, UserInputError
+
+#: The precisions this backend computes in, and OpenVINO's hint for each (read back after compiling).
+_HINTS = {"fp32": "f32", "bf16": "bf16"}
 
 #: The forward's arguments a step may carry (each call's own values); any other one set makes the candidate unavailable.
 _SERVED = frozenset(
@@ -56,8 +59,18 @@ class OpenVinoDecoderBackend(Backend):
     build_cost = "slow"
     builds_privately = True  # it traces a private copy (the live model keeps serving other threads)
 
-    def __init__(self, num_threads: int | None = None) -> None:
-        self.num_threads = num_threads
+    def __init__(self, num_threads: int | None = None, precision: str = "fp32") -> None:
+        if precision not in _HINTS:
+            raise UserInputError(f"openvino_decoder computes in {' or '.join(_HINTS)}, not precision={precision!r}")
+        self.num_threads, self.precision = num_threads, precision
+
+    def with_precision(self, precision: str) -> OpenVinoDecoderBackend | None:
+        if precision == self.precision:
+            return self
+        return type(self)(self.num_threads, precision) if precision in _HINTS else None
+
+    def describe(self) -> str:
+        return self.name if self.precision == "fp32" else f"{self.name}(precision={self.precision})"
 
     @classmethod
     def versions(cls) -> dict[str, str | None]:
@@ -65,7 +78,7 @@ class OpenVinoDecoderBackend(Backend):
 
         from aitune_hf.backends.openvino import OpenVinoBackend
 
-        return {**OpenVinoBackend.versions(), "transformers": transformers.__version__, "aitune-hf decoder build": "1"}
+        return {**OpenVinoBackend.versions(), "transformers": transformers.__version__, "aitune-hf decoder build": "2"}
 
     def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
         import importlib.util
@@ -103,16 +116,51 @@ class OpenVinoDecoderBackend(Backend):
         keep = bound.get("logits_to_keep", 0)
         if not isinstance(keep, int):
             raise CandidateUnavailable("openvino_decoder keeps the last logits_to_keep logits as an int")
+        from aitune_hf.backends.base import current_build
         from aitune_hf.backends.onnx.export import private_twin
 
+        # One engine serves every signature of the model (a prefill and a decode step convert the same model): a
+        # build of another signature reuses it where the weights are those it was made from (the core checks it as
+        # any build, and builds afresh, without reuse, if that check fails: `BuildContext.state`).
+        key, weights = (keep, self.precision, self.num_threads, signature), _weight_values(module)
+        made = _MADE.get(module, {}).get(key) if current_build().state is not None else None
+        if made is not None and made[0] == weights:
+            return BuiltBackend(fn=made[1], bakes_weights=True, reused=True)
         twin, twin_forward = private_twin(module, forward)
         with torch.no_grad():  # on a copy of the sample: the run must not grow the sample's cache
             reference = twin_forward(**_arguments(signature, *copy.deepcopy(samples[0])))
         fields = [k for k, v in reference.items() if v is not None]
         if fields != ["logits", "cache"]:
             raise CandidateUnavailable(f"openvino_decoder makes logits and the cache, this forward returns {fields}")
-        compiled, layers = _compile(twin, keep, self.num_threads)
-        return BuiltBackend(fn=_Stepper(compiled, signature, layers, type(reference)), bakes_weights=True)
+        compiled, layers = _compile(twin, keep, self.num_threads, self.precision, batch=bound["input_ids"].shape[0])
+        stepper = _Stepper(compiled, signature, layers, type(reference))
+        with _MADE_LOCK:
+            _MADE.setdefault(module, {})[key] = (weights, stepper)
+        return BuiltBackend(fn=stepper, bakes_weights=True)
+
+
+#: Per live model, the engine its last build of each kind made (`OpenVinoDecoderBackend.build`) and the weights it was
+#: made from; held while the model lives.
+_MADE: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[Any, ...], tuple[list[Any], _Stepper]]] = (
+    weakref.WeakKeyDictionary()
+)
+_MADE_LOCK = threading.Lock()
+
+
+def _weight_values(module: torch.nn.Module) -> list[Any]:
+    """Each parameter's and buffer's storage, version and value (the L2 norm of a floating tensor, the sum of another):
+    what `weight_check="full"` compares. Equal lists: the engine made from the first holds the second's weights (up to
+    an edit that keeps every norm, the full check's own blind spot, docs/guarantees.md)."""
+    values = []
+    with torch.no_grad():
+        for t in (*module.parameters(), *module.buffers()):
+            try:
+                version = t._version
+            except RuntimeError:  # an inference tensor has none (and cannot be written in place outside inference)
+                version = None
+            value = float(torch.linalg.vector_norm(t.float())) if t.is_floating_point() else int(t.sum())
+            values.append((t.data_ptr(), version, value))
+    return values
 
 
 def _arguments(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -127,14 +175,18 @@ def _arguments(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict
     return named
 
 
-def _compile(module: torch.nn.Module, keep: int, num_threads: int | None) -> tuple[Any, int]:
-    """The whole model as OpenVINO's stateful form, compiled in f32 (see the module docstring); and its layer count."""
+def _compile(
+    module: torch.nn.Module, keep: int, num_threads: int | None, precision: str = "fp32", batch: int = 1
+) -> tuple[Any, int]:
+    """The whole model as OpenVINO's stateful form, compiled in `precision` (see the module docstring); and its layer
+    count. A reduced precision is first compiled and run (a prefill of `batch` rows and a decode step) in the build
+    process: an engine that aborts its process costs the candidate there, never this process."""
     import numpy as np
     import openvino
     from openvino import opset13
     from openvino._offline_transformations import apply_make_stateful_transformation
 
-    from aitune_hf.backends.openvino import OpenVinoBackend, _check_precision, _core
+    from aitune_hf.backends.openvino import OpenVinoBackend, _check_precision, _core, run_elsewhere_first
 
     config = module.config
     layers = config.num_hidden_layers
@@ -183,14 +235,27 @@ def _compile(module: torch.nn.Module, keep: int, num_threads: int | None) -> tup
             user.replace_source_output(reordered.output(0))
     model.add_parameters([beam])
     model.validate_nodes_and_infer_types()
-    properties = OpenVinoBackend(precision="fp32", num_threads=num_threads).config()
-    # The fused attention keeps the cache in f16 unless told (lossy even under the f32 hint): the cache stays f32.
+    properties = OpenVinoBackend(precision=precision, num_threads=num_threads).config()
+    # The fused attention keeps the cache in f16 unless told (lossy even under the f32 hint): the cache stays f32 in
+    # every precision (the rows written back into generate()'s cache are the engine's, as it keeps them).
     properties["KV_CACHE_PRECISION"] = "f32"
+    if precision != "fp32":
+        prompt = 4
+        ids = np.full((batch, prompt + 1), 1, dtype=np.int64)
+        feeds = [
+            {
+                "beam_idx": np.arange(batch, dtype=np.int32),
+                "input_ids": ids[:, :length] if past == 0 else ids[:, past:],
+                "attention_mask": np.ones((batch, past + length), dtype=np.int64),
+                "position_ids": np.tile(np.arange(past, past + length, dtype=np.int64), (batch, 1)),
+            }
+            for past, length in ((0, prompt), (prompt, 1))
+        ]
+        run_elsewhere_first(model, properties, feeds, f"OpenVINO's {precision} stateful model")
     compiled = _core().compile_model(model, "CPU", properties)
-    _check_precision(compiled, "f32")
-    if [port.get_any_name() for port in compiled.outputs] != outputs[
-        : 1 + 2 * layers
-    ]:  # what `_Stepper` reads by index
+    _check_precision(compiled, _HINTS[precision])
+    served = outputs[: 1 + 2 * layers]  # what `_Stepper` reads, by index
+    if [port.get_any_name() for port in compiled.outputs] != served:
         raise CandidateUnavailable("openvino_decoder: the stateful model's outputs are not the logits and the new rows")
     for name in ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION"):
         try:

@@ -123,3 +123,37 @@ def test_a_registration_that_will_search_on_the_worker_starts_the_build_process_
     time.sleep(0.5)
     assert build_process_pid() is None and not base._warming
     registration.detach()
+
+
+def _dies(signal_number: int) -> None:
+    """In the build process: end it as a crashing engine does (OpenVINO's bf16 stateful decoder: SIGFPE)."""
+    os.kill(os.getpid(), signal_number)
+
+
+def test_an_engine_that_kills_the_build_process_costs_a_candidate_not_this_process() -> None:
+    """What `openvino.run_elsewhere_first` relies on (issue 47): a call that kills the worker raises here, naming the
+    signal, and the next call gets a fresh worker. Then a real OpenVINO model run there first, as the bf16 decoder
+    is: it runs; one the engine refuses there is an unavailable candidate, with the engine's reason."""
+    import signal
+
+    import numpy as np
+
+    from aitune_hf.backends import base
+    from aitune_hf.errors import TuningError
+
+    with pytest.raises(TuningError, match="killed by SIGFPE"):
+        base.run_in_build_process(_dies, signal.SIGFPE)
+    assert base.run_in_build_process(_imported, ["os"]) == ["os"]  # started again
+    openvino = pytest.importorskip("openvino")
+    from openvino import opset13
+
+    from aitune_hf.backends.openvino import run_elsewhere_first
+    from aitune_hf.errors import CandidateUnavailable
+
+    x = opset13.parameter([-1, 4], openvino.Type.f32, name="x")
+    model = openvino.Model([opset13.relu(x)], [x])
+    feeds = [{"x": np.ones((2, 4), np.float32)}]
+    run_elsewhere_first(model, {"INFERENCE_NUM_THREADS": 1}, feeds, "a ReLU")
+    refused = r"(?s)a ReLU, run first in the build process, failed there .*NO_SUCH_PROPERTY"
+    with pytest.raises(CandidateUnavailable, match=refused):
+        run_elsewhere_first(model, {"NO_SUCH_PROPERTY": 1}, feeds, "a ReLU")

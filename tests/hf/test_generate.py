@@ -507,3 +507,37 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
         assert "openvino_decoder" not in registration.targets["model"].calls_served
     finally:
         model.disable_aitune()
+
+
+def test_openvino_decoder_in_bf16_serves_only_through_the_gate(lm_folders) -> None:
+    """bf16 decoding, opt-in (`precision=["bf16"]`): the engine is compiled and run in the build process before this one
+    compiles it (an engine that aborts a process costs the candidate there), computes in bf16 (the hint read back),
+    and serves only after the end-to-end gate compared the tokens of the call that tuned with fp32 eager's (every
+    token, the default budget); where it does not pass, eager serves. Either way the calls give eager's tokens, and
+    the report says what the gate measured."""
+    pytest.importorskip("openvino")
+    from aitune_hf.backends.base import build_process_pid
+    from aitune_hf.core.precision import native_reason
+
+    reason = native_reason("bf16", frozenset({torch.device("cpu")}))
+    if reason is not None:
+        pytest.skip(reason)
+    model = load(lm_folders, "llama")
+    registration = model.enable_aitune("components", backends=["openvino_decoder"], precision=["bf16"], **QUICK)
+    feed = {"input_ids": torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(4))}
+    try:
+        with model.aitune.bypass():
+            ref = model.generate(**feed, **GENERATE)
+        for call in range(CALLS):
+            out = model.generate(**feed, **GENERATE)
+            assert torch.equal(out.sequences, ref.sequences), f"call {call + 1}: {registration.report()}"
+        report = str(registration.report())
+        assert "quality: tokens equal" in report, report
+        assert build_process_pid() is not None  # where the bf16 engine ran first
+        served = registration.targets["model"].calls_served
+        if served.get("openvino_decoder(precision=bf16)"):
+            assert "tokens equal 1.0000" in report, report
+        else:  # the gate sent it back: eager, with the reason
+            assert served.get("eager"), report
+    finally:
+        model.disable_aitune()
