@@ -263,7 +263,7 @@ def _compile(
         except Exception:  # an OpenVINO without this property (older ones keep the cache as computed)
             continue
         if "32" not in kept:
-            raise RuntimeError(f"OpenVINO keeps the KV cache in {kept} ({name}) where f32 was asked for; refusing it")
+            raise CandidateUnavailable(f"OpenVINO keeps the KV cache in {kept} ({name}) where f32 was asked for")
     return compiled, layers
 
 
