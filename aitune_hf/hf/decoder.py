@@ -33,6 +33,8 @@ from typing import Any
 import torch
 
 from aitune_hf.backends.base import Backend, BuiltBackend, Call, register_backend
+from aitune_hf.core.weights import WeightValues
+from aitune_hf.core.weights import _stamp as weight_stamp
 from aitune_hf.errors import CandidateUnavailable, UserInputError
 
 #: The precisions this backend computes in, and OpenVINO's hint for each (read back after compiling).
@@ -122,10 +124,11 @@ class OpenVinoDecoderBackend(Backend):
         # One engine serves every signature of the model (a prefill and a decode step convert the same model): a
         # build of another signature reuses it where the weights are those it was made from (the core checks it as
         # any build, and builds afresh, without reuse, if that check fails: `BuildContext.state`).
-        key, weights = (keep, self.precision, self.num_threads, signature), _weight_values(module)
+        key = (keep, self.precision, self.num_threads, signature)
         made = _MADE.get(module, {}).get(key) if current_build().state is not None else None
-        if made is not None and made[0] == weights:
+        if made is not None and made[0].holds():
             return BuiltBackend(fn=made[1], bakes_weights=True, reused=True)
+        weights = _MadeFrom(module)  # before the private copy is taken: the values the engine will hold
         twin, twin_forward = private_twin(module, forward)
         with torch.no_grad():  # on a copy of the sample: the run must not grow the sample's cache
             reference = twin_forward(**_arguments(signature, *copy.deepcopy(samples[0])))
@@ -141,26 +144,27 @@ class OpenVinoDecoderBackend(Backend):
 
 #: Per live model, the engine its last build of each kind made (`OpenVinoDecoderBackend.build`) and the weights it was
 #: made from; held while the model lives.
-_MADE: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[Any, ...], tuple[list[Any], _Stepper]]] = (
+_MADE: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[Any, ...], tuple[_MadeFrom, _Stepper]]] = (
     weakref.WeakKeyDictionary()
 )
 _MADE_LOCK = threading.Lock()
 
 
-def _weight_values(module: torch.nn.Module) -> list[Any]:
-    """Each parameter's and buffer's storage, version and value (the L2 norm of a floating tensor, the sum of another):
-    what `weight_check="full"` compares. Equal lists: the engine made from the first holds the second's weights (up to
-    an edit that keeps every norm, the full check's own blind spot, docs/guarantees.md)."""
-    values = []
-    with torch.no_grad():
-        for t in (*module.parameters(), *module.buffers()):
-            try:
-                version = t._version
-            except RuntimeError:  # an inference tensor has none (and cannot be written in place outside inference)
-                version = None
-            value = float(torch.linalg.vector_norm(t.float())) if t.is_floating_point() else int(t.sum())
-            values.append((t.data_ptr(), version, value))
-    return values
+class _MadeFrom:
+    """The weights an engine was made from: the full weight check's values (`core.weights.WeightValues`: each floating
+    tensor's L2 norm, the others exactly) and each tensor's version and storage (`core.weights._stamp`). `holds()`:
+    the engine holds the module's weights still (up to an edit that keeps every norm, the full check's own blind spot,
+    docs/guarantees.md)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._values = WeightValues(module)
+        self._stamps = self._now()
+
+    def _now(self) -> list[tuple[int | None, int]]:
+        return [weight_stamp(table[key]) for _, table, key in self._values.places]
+
+    def holds(self) -> bool:
+        return self._now() == self._stamps and self._values.holds()
 
 
 def _arguments(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
