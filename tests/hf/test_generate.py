@@ -67,13 +67,19 @@ def _prefixed(label: str) -> Callable[[str], str]:
     return lambda message: f"{label}: {message}"
 
 
+def generate_beside_eager(model: Any, label: str, feed: dict[str, Any], **extra: Any) -> tuple[Any, Any]:
+    """One generate() call and an eager one made right after it in the same state, compared; both outputs."""
+    out = model.generate(**feed, **GENERATE, **extra)
+    with model.aitune.bypass():
+        ref = model.generate(**feed, **GENERATE, **extra)
+    assert_same_generation(out, ref, f"{label}; states {model.aitune.state_counts}")
+    return out, ref
+
+
 def generate_and_compare(model: Any, kind: str, calls: int = CALLS, **extra: Any) -> None:
     """`calls` generate() calls, each compared with an eager generate() made right after it."""
     for call in range(calls):
-        out = model.generate(**inputs(kind), **GENERATE, **extra)
-        with model.aitune.bypass():
-            ref = model.generate(**inputs(kind), **GENERATE, **extra)
-        assert_same_generation(out, ref, f"{kind} generate() call {call + 1}; states {model.aitune.state_counts}")
+        generate_beside_eager(model, f"{kind} generate() call {call + 1}", inputs(kind), **extra)
 
 
 def decided(registration: Any) -> bool:
@@ -422,20 +428,14 @@ def test_the_generation_recipe_gives_eagers_tokens_in_every_mode(lm_folders) -> 
     padded = {"input_ids": padded_ids, "attention_mask": (padded_ids != 0).long()}
     longer = {"input_ids": torch.randint(3, 128, (1, 9), generator=generator)}
 
-    def compare(label: str, feed: dict[str, torch.Tensor], **extra: Any) -> None:
-        out = model.generate(**feed, **GENERATE, **extra)
-        with model.aitune.bypass():
-            ref = model.generate(**feed, **GENERATE, **extra)
-        assert_same_generation(out, ref, f"{label}; states {model.aitune.state_counts}")
-
     try:
         for call in range(3):  # records, tunes, then served
-            compare(f"plain call {call + 1}", plain)
+            generate_beside_eager(model, f"plain call {call + 1}", plain)
         target = registration.targets["model"] if "model" in registration.targets else registration.targets[""]
         assert target.calls_served.get("inductor", 0) >= GENERATE["max_new_tokens"], registration.report()
-        compare("left-padded batch", padded)
-        compare("another prompt length", longer)
-        compare("beam search", plain, num_beams=2)
+        generate_beside_eager(model, "left-padded batch", padded)
+        generate_beside_eager(model, "another prompt length", longer)
+        generate_beside_eager(model, "beam search", plain, num_beams=2)
         # The cache one call left, handed to the next one that continues its sequences (a chat's next turn).
         out = model.generate(**plain, **GENERATE)
         with model.aitune.bypass():
@@ -465,16 +465,9 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
     generator = torch.Generator().manual_seed(3)
     plain = {"input_ids": torch.randint(3, 128, (2, 5), generator=generator)}
 
-    def compare(label: str, feed: dict[str, torch.Tensor], **extra: Any) -> Any:
-        out = model.generate(**feed, **GENERATE, **extra)
-        with model.aitune.bypass():
-            ref = model.generate(**feed, **GENERATE, **extra)
-        assert_same_generation(out, ref, f"{label}; states {model.aitune.state_counts}")
-        return out, ref
-
     try:
         for call in range(3):
-            out, ref = compare(f"plain call {call + 1}", plain)
+            out, ref = generate_beside_eager(model, f"plain call {call + 1}", plain)
         target = registration.targets["model"]
         served = target.calls_served.get("openvino_decoder", 0)
         assert served >= GENERATE["max_new_tokens"], registration.report()
@@ -495,7 +488,7 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
         for got, expected in zip(cache_tensors(continued.cache), cache_tensors(want.cache), strict=True):
             torch.testing.assert_close(got, expected, **TOL)  # the cache kept in step with the engine, as eager's
         assert target.calls_served["openvino_decoder"] >= served + GENERATE["max_new_tokens"] - 1
-        compare("beam search", plain, num_beams=2)
+        generate_beside_eager(model, "beam search", plain, num_beams=2)
     finally:
         model.disable_aitune()
     model.generation_config.cache_implementation = "static"
