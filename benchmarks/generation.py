@@ -439,10 +439,9 @@ class Worker:
             "transformers": transformers.__version__,
         }
         info["describe"] = _OPTIMUM.format(cls=optimum_class, hint=hint)
+        # OpenVINO's CPU plugin keeps the fused attention's cache in f16 unless told, even under the f32 hint
         kept = _kv_cache_precision(self.model)
-        if (
-            kept is not None
-        ):  # OpenVINO's CPU plugin keeps the fused attention's cache in f16 unless told, even under f32
+        if kept is not None:
             info["describe"] += f", KV cache {kept} (read back)"
         return info
 
@@ -611,60 +610,60 @@ def summarize(results: dict[str, Result], n: int) -> tuple[list[dict[str, Any]],
         )
         rows.append(row)
     verdicts = []
+    equal = {row["variant"]: row.get("tokens_equal") for row in rows}
+
+    def against(name: str, peer: str) -> tuple[float, float]:
+        """`name` against `peer` in the same rounds: the median of the rounds' ratios, and their IQR."""
+        ratios = [a / b for a, b in zip(tps[name], tps[peer], strict=True)]
+        return statistics.median(ratios), _iqr(ratios)
+
     baselines = [k for k in tps if VARIANTS[k].documented_baseline]
     ours = [k for k in tps if k.startswith("aitune") and VARIANTS[k].precision == "fp32"]
     if baselines and ours:
         best = max(baselines, key=lambda k: statistics.median(tps[k]))
         mine = max(ours, key=lambda k: statistics.median(tps[k]))
-        ratios = [a / b for a, b in zip(tps[mine], tps[best], strict=True)]
-        ratio = statistics.median(ratios)
-        spread = _iqr(ratios)
-        equal = next(row.get("tokens_equal") for row in rows if row["variant"] == mine)
-        ok = ratio >= BASELINE_MARGIN and equal
+        ratio, spread = against(mine, best)
+        ok = ratio >= BASELINE_MARGIN and equal[mine]
         verdicts.append(
             f"{'MET' if ok else 'NOT MET'}: {mine} decode {statistics.median(tps[mine]):.0f} tok/s vs best documented "
             f"baseline {best} {statistics.median(tps[best]):.0f} tok/s: {ratio:.3f}x ± {spread:.3f} "
-            f"(target >= {BASELINE_MARGIN}); tokens equal to eager: {'yes' if equal else 'NO'}"
+            f"(target >= {BASELINE_MARGIN}); tokens equal to eager: {_yes(equal[mine])}"
         )
 
         def beside(peer: str, head: str, after: str = "") -> None:
-            """A verdict line: `mine` against `peer` in the same rounds (median of the rounds' ratios ± IQR)."""
-            other = [a / b for a, b in zip(tps[mine], tps[peer], strict=True)]
+            """A verdict line: `mine` against `peer` in the same rounds."""
+            ratio, spread = against(mine, peer)
             verdicts.append(
-                f"beside it: {mine} {head} {statistics.median(tps[peer]):.0f} tok/s: "
-                f"{statistics.median(other):.3f}x ± {_iqr(other):.3f}{after}"
+                f"beside it: {mine} {head} {statistics.median(tps[peer]):.0f} tok/s: {ratio:.3f}x ± {spread:.3f}{after}"
             )
 
         if best != "compile_forward" and "compile_forward" in tps:  # Transformers' documented recipe
             one_off = f"; one-off {_one_off(results, mine)} s against {_one_off(results, 'compile_forward')} s"
             beside("compile_forward", "vs compile_forward (Transformers' compile recipe)", one_off)
         if "openvino_bf16" in tps:  # reduced precision: the peer in bf16 beside our fp32 (tokens may differ in bf16)
-            equal_bf16 = next(row.get("tokens_equal") for row in rows if row["variant"] == "openvino_bf16")
-            beside(
-                "openvino_bf16",
-                "(fp32) vs openvino_bf16",
-                f" (bf16 tokens equal to eager's: {'yes' if equal_bf16 else 'NO'})",
-            )
+            after = f" (bf16 tokens equal to eager's: {_yes(equal['openvino_bf16'])})"
+            beside("openvino_bf16", "(fp32) vs openvino_bf16", after)
         if "hf_autocompile" in tps:
             beside("hf_autocompile", "vs hf_autocompile (generate's compile forced on CPU)")
+    elif not ours:
+        verdicts.append("aitune_hf: no measurement")
     reduced = [k for k in tps if k.startswith("aitune") and VARIANTS[k].precision != "fp32"]
-    if reduced and "openvino_bf16" in tps:  # reduced precision against its own kind, the quality beside the speed
+    if "openvino_bf16" in tps:  # reduced precision against its own kind, the quality beside the speed
         for name in reduced:
-            ratios = [a / b for a, b in zip(tps[name], tps["openvino_bf16"], strict=True)]
-            equal = {
-                k: next(row.get("tokens_equal") for row in rows if row["variant"] == k) for k in (name, "openvino_bf16")
-            }
+            ratio, spread = against(name, "openvino_bf16")
             lines = results[name].info.get("report", "").splitlines()
             gate = next((line for line in lines if line.startswith("quality")), "quality: no gate ran")
             verdicts.append(
                 f"reduced precision: {name} decode {statistics.median(tps[name]):.0f} tok/s vs openvino_bf16 "
-                f"{statistics.median(tps['openvino_bf16']):.0f} tok/s: {statistics.median(ratios):.3f}x ± "
-                f"{_iqr(ratios):.3f}; tokens equal to eager: ours {'yes' if equal[name] else 'NO'}, openvino_bf16 "
-                f"{'yes' if equal['openvino_bf16'] else 'NO'}; our end-to-end gate: {gate.removeprefix('quality: ')}"
+                f"{statistics.median(tps['openvino_bf16']):.0f} tok/s: {ratio:.3f}x ± {spread:.3f}; tokens equal to "
+                f"eager: ours {_yes(equal[name])}, openvino_bf16 {_yes(equal['openvino_bf16'])}; our end-to-end "
+                f"gate: {gate.removeprefix('quality: ')}"
             )
-    elif not ours:
-        verdicts.append("aitune_hf: no measurement")
     return rows, verdicts
+
+
+def _yes(flag: Any) -> str:
+    return "yes" if flag else "NO"
 
 
 def _one_off(results: dict[str, Result], name: str) -> str:
