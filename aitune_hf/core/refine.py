@@ -175,15 +175,17 @@ class Refinement:
         with self._lock:
             if self.state == "done":
                 return
+            # The outcome is in the report before the state says "done": `Registration.searching` (and `wait()`)
+            # count a search as ended from that moment, and a reader of the report then finds why it ended.
+            if self._closing and not self.outcome:
+                self.outcome = "dropped: the registration was detached"
+            if self.decision.report is not None:
+                self.decision.report.search = self.outcome
             self.state = "done"
             self.ended_at = clock()
             self.job.deferred = []
             self._followers = []
         self._stack.close()
-        if self._closing and not self.outcome:
-            self.outcome = "dropped: the registration was detached"
-        if self.decision.report is not None:
-            self.decision.report.search = self.outcome
 
     def close(self) -> None:
         """Drop the search where it stands (the registration detaches): nothing more is built or served. A step in
