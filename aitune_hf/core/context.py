@@ -108,6 +108,8 @@ class TuningContext:
     cache: TuningCache | None = None
     #: Called with the target's name at the start of each routed call, while set (`Registration.observe_calls`).
     on_call: Callable[[str], None] | None = None
+    #: Routed calls started so far, in every thread (`Target.back_to_back`: whether a target's calls follow each other).
+    calls_started: int = 0
     #: Candidates left out here (reduced precisions this machine does not compute natively, backends that cannot
     #: build in the background): (name, why, precision), in the report of every new decision.
     skipped: list[tuple[str, str, str]] = field(default_factory=list)

@@ -88,6 +88,9 @@ class SignatureReport:
     #: What the search after the first plan did ("searched 3 more candidate(s) on the worker; ..."); None where no
     #: search was left to do, or while it is queued.
     search: str | None = None
+    #: Timed in warm turns (`timing.time_until_settled`'s `warm_turns`): the target's calls ran back to back, and a
+    #: candidate kept its own copy of the weights.
+    back_to_back: bool = False
 
     @property
     def source(self) -> str:
@@ -373,6 +376,12 @@ class TuningReport:
             lines.append("not built: " + "; ".join(f"{backend} ({why})" for backend, why in skipped.items()))
         if self.cache:
             lines.append(self.cache)
+        warm = [name for name, report in self.modules.items() if any(s.back_to_back for s in report.signatures)]
+        if warm:
+            lines.append(
+                f"timed back to back (their calls follow each other, so each candidate's turn starts warm): "
+                f"{', '.join(warm)}"
+            )
         for name, report in self.descended.items():
             lines.append(f"descended into {name} ({report.module_class}): as a whole it stayed eager: {report.reason}")
         for name, report in self.modules.items():

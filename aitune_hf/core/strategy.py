@@ -122,8 +122,12 @@ class TuningJob:
         evidence: KindEvidence | None = None,
         baseline: Callable[..., Any] | None = None,
         anytime: bool = False,
+        back_to_back: bool = False,
     ) -> None:
         started = clock() if started is None else started
+        #: The target's calls run back to back (`Target.back_to_back`): where a candidate keeps its own copy of the
+        #: weights, candidates are timed in warm turns (`timing.time_until_settled`), as they will serve.
+        self.back_to_back = back_to_back
         #: Anytime tuning (`TuningConfig.anytime`, `core/refine.py`): a strategy may choose the first candidate that
         #: wins clearly and leave the rest of its tier (`deferred`) to a search off the callers' threads (`refine`).
         self.anytime = anytime
@@ -374,6 +378,11 @@ class TuningJob:
         fns = {"eager": eager} | {result.backend: self.serving(result, built) for result, built in candidates}
         timed = [self.samples[i] for i in self._timed]
         stateful = any(sample.stateful for sample in timed)
+        # Cold turns mis-rank only an engine with its own copy of the weights (and its own threads) against eager's,
+        # whose weights the others share: warm turns where one is timed (each costs up to 20 ms more per turn).
+        timed_builds = [built for _, built in candidates] + ([against[1]] if against is not None else [])
+        warm = self.back_to_back and any(built.bakes_weights for built in timed_builds)
+        self.report.back_to_back = self.report.back_to_back or warm
 
         def fresh() -> list[Call]:
             return [sample.as_call() for sample in timed]
@@ -391,6 +400,7 @@ class TuningJob:
                 baseline="eager",
                 thresholds=thresholds,
                 deadline=self.deadline,
+                warm_turns=warm,
             )
         own = {result.backend: timing.seconds.get(result.backend, 0.0) for result, _ in candidates}
         shared = max(watch.seconds - sum(own.values()), 0.0) / max(len(candidates), 1)  # eager's runs, copies

@@ -233,6 +233,11 @@ class Target:
         self.signatures_over_limit = 0  # calls of signatures beyond config.max_signatures (run eager)
         self.tuning_seconds = 0.0
         self.calls_served: dict[str, int] = {}
+        #: Calls routed, and those of them that came right after this target's previous call ended (`back_to_back`);
+        #: `_ended_at` is the registration's count of started calls when this target's latest call ended.
+        self.calls_seen = 0
+        self.calls_back_to_back = 0
+        self._ended_at = -1
         #: Why the latest call ran in training mode (`signature.training_reason`), until a call is served again.
         self.training: str | None = None
         #: What the end-to-end gate sent back, for the report of the fp32 decision tuned in its place.
@@ -382,7 +387,28 @@ class Target:
 
     # -- the forward path ---------------------------------------------------------------------------
     def call(self, *args: Any, **kwargs: Any) -> Any:
-        """Route one forward call (from any thread)."""
+        """Route one forward call (from any thread), noting whether it came back to back with this target's last
+        (`back_to_back`)."""
+        context = self._context
+        started = context.calls_started
+        self.calls_seen += 1
+        if started == self._ended_at:
+            self.calls_back_to_back += 1
+        context.calls_started = started + 1
+        try:
+            return self._route(*args, **kwargs)
+        finally:
+            self._ended_at = context.calls_started
+
+    @property
+    def back_to_back(self) -> bool:
+        """True when most of this target's calls came right after its previous one ended, no other target's call
+        between (a decode step of `generate()`, a component called at every denoising step; never a block among its
+        siblings): its weights stay warm in the CPU's caches from one call to the next, and its candidates are timed
+        so (`TuningJob.back_to_back`)."""
+        return 2 * self.calls_back_to_back > self.calls_seen
+
+    def _route(self, *args: Any, **kwargs: Any) -> Any:
         state = self._state
         context = self._context
         # While it tunes (in this thread or another), the module runs eager: backends build without touching it
@@ -1019,7 +1045,7 @@ class Target:
             job = TuningJob(
                 self.module, self.original_forward, samples, context.config, restriction, dynamic, started,
                 name=self.name, evidence=context.evidence, baseline=self._through_blocks if self.inner else None,
-                anytime=context.config.anytime,
+                anytime=context.config.anytime, back_to_back=self.back_to_back,
             )  # fmt: skip
         except NoEvidence as error:
             self._no_evidence = str(error)  # nothing decided: record again, tune when armed again

@@ -168,6 +168,30 @@ def test_nothing_faster_keeps_eager_with_the_reason() -> None:
     reg.detach()
 
 
+def test_a_target_called_back_to_back_is_timed_in_warm_turns_and_one_among_siblings_is_not() -> None:
+    first, second = MLPBlock().eval(), MLPBlock().eval()
+    x = torch.randn(2, 32)
+    with torch.no_grad(), register({"first": first, "second": second}, _config(backends=["onnxruntime"])) as reg:
+        for _ in range(3):  # the first three times in a row (a decode step's pattern), then the two in turns
+            first(x)
+        for _ in range(2):
+            first(second(x))
+        targets = reg.targets
+        assert (targets["first"].calls_seen, targets["first"].calls_back_to_back) == (5, 2)
+        assert targets["first"].back_to_back is False  # 2 of 5: mostly among its sibling's calls
+        for _ in range(4):
+            first(x)
+        assert targets["first"].back_to_back and not targets["second"].back_to_back
+        reg.tune()
+        first(x), second(x)
+        reports = reg.report().modules
+        assert [s.back_to_back for s in reports["first"].signatures] == [True]
+        assert [s.back_to_back for s in reports["second"].signatures] == [False]
+        assert "timed back to back (their calls follow each other, so each candidate's turn starts warm): first" in (
+            str(reg.report())
+        )
+
+
 def test_unavailable_candidates_are_reported() -> None:
     from tests.core.modules import CudaOnlyBackend
 
