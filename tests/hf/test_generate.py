@@ -14,6 +14,7 @@ armed after the first generate() and runs at the start of the second, before its
 from __future__ import annotations
 
 import copy
+import threading
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -455,7 +456,8 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
     written back into generate()'s DynamicCache after every step: every generate() gives eager's tokens and logits in
     the same state. Served: the plain calls, and a second turn on the cache a first one left (its decode steps have
     the plain calls' signature: the engine's state, not that cache's, is reloaded from it); compared: beam search,
-    which reorders the cache between steps. A static cache makes it unavailable, with the reason, and eager serves.
+    which reorders the cache between steps; three threads generating at once (each its own infer request and state).
+    A static cache makes it unavailable, with the reason, and eager serves.
     The engine's form is asserted too: the attention fused with the cache, the cache kept in f32.
     (A left-padded batch passes a 2D mask that grows every step: each step is a signature of its own, eager until
     tuned; the recipe test above compares such a batch, and tuning each of its steps here cost the suite 30 s.)"""
@@ -489,6 +491,27 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
             torch.testing.assert_close(got, expected, **TOL)  # the cache kept in step with the engine, as eager's
         assert target.calls_served["openvino_decoder"] >= served + GENERATE["max_new_tokens"] - 1
         generate_beside_eager(model, "beam search", plain, num_beams=2)
+        # Threads: each its own infer request and engine state; each thread's tokens are eager's for its prompts.
+        prompts = [{"input_ids": torch.randint(3, 128, (2, 5), generator=generator)} for _ in range(3)]
+        with model.aitune.bypass():
+            wanted = [model.generate(**prompt, **GENERATE).sequences for prompt in prompts]
+        served = target.calls_served["openvino_decoder"]
+        got: dict[int, list[torch.Tensor]] = {}
+        barrier = threading.Barrier(len(prompts))
+
+        def generate_in_thread(index: int) -> None:
+            barrier.wait()
+            got[index] = [model.generate(**prompts[index], **GENERATE).sequences for _ in range(2)]
+
+        threads = [threading.Thread(target=generate_in_thread, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for index, want_tokens in enumerate(wanted):
+            for turn, tokens in enumerate(got[index]):
+                assert torch.equal(tokens, want_tokens), f"thread {index}, call {turn + 1}: {registration.report()}"
+        assert target.calls_served["openvino_decoder"] >= served + 6 * (GENERATE["max_new_tokens"] - 1)
     finally:
         model.disable_aitune()
     model.generation_config.cache_implementation = "static"
