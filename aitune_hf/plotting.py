@@ -245,7 +245,7 @@ def _text(state: str, ratio: float | None, backend: str, why: str | None) -> str
 
 
 def _draw_targets(ax: Axes, rows: list[_Row], skipped: int, log_scale: bool | None) -> None:
-    unit = "block latency per target, ms per call (median, summed over input signatures)"
+    unit = "block latency per target, ms per call (median; over input signatures, weighted by their calls)"
     if not rows:
         ax.text(0.5, 0.5, "no target has timings yet", ha="center", va="center", transform=ax.transAxes)
         ax.set_yticks([])

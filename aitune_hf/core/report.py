@@ -88,6 +88,9 @@ class SignatureReport:
     #: What the search after the first plan did ("searched 3 more candidate(s) on the worker; ..."); None where no
     #: search was left to do, or while it is queued.
     search: str | None = None
+    #: The calls of this decision's signatures recorded before it was tuned (the traffic's mix then): a target's row
+    #: weighs each signature by them (`ModuleReport.eager_latency_s`). 0 where unknown (it then counts as 1).
+    calls: int = 0
     #: Timed in warm turns (`timing.time_until_settled`'s `warm_turns`): the target's calls ran back to back, and a
     #: candidate kept its own copy of the weights.
     back_to_back: bool = False
@@ -157,16 +160,19 @@ class ModuleReport:
 
     @property
     def eager_latency_s(self) -> float | None:
-        return _sum_or_none(s.eager_latency_s for s in self.signatures)
+        """Eager's seconds per call: each signature's median, weighted by its calls (`SignatureReport.calls`)."""
+        return _per_call(self.signatures, lambda s: s.eager_latency_s)
 
     @property
     def tuned_latency_s(self) -> float | None:
-        return _sum_or_none(s.chosen_latency_s for s in self.signatures)
+        """The chosen backends' seconds per call, weighted as `eager_latency_s`."""
+        return _per_call(self.signatures, lambda s: s.chosen_latency_s)
 
     @property
     def speedup(self) -> float | None:
         """One signature: the speed-up its decision was made on (`SignatureReport.speedup`); several: the ratio of
-        the summed latencies."""
+        the seconds per call, each signature weighted by its calls (a prefill and 31 decode steps: the decode step's
+        speed-up, nearly; not the ratio of a prefill's and one step's latencies added up)."""
         if len(self.signatures) == 1:
             return self.signatures[0].speedup
         return _ratio(self.eager_latency_s, self.tuned_latency_s)
@@ -627,11 +633,14 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
-def _sum_or_none(values: Any) -> float | None:
-    values = list(values)
+def _per_call(signatures: list[SignatureReport], latency: Callable[[SignatureReport], float | None]) -> float | None:
+    """Seconds per call over `signatures`: their latencies weighted by their calls (at least 1 each); None where one
+    has no latency."""
+    values = [latency(s) for s in signatures]
     if not values or any(v is None for v in values):
         return None
-    return sum(values)
+    weights = [max(s.calls, 1) for s in signatures]
+    return sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
 
 
 def _spread(bounds: Any) -> str:

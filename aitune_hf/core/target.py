@@ -1077,6 +1077,7 @@ class Target:
         # An eager decision holds for this module state too: a new state (FreeU off again) is tuned afresh.
         guard = decision.guard if decision.built is not None else ModuleGuard(self.module)
         decision.report.shapes = len(signatures)
+        decision.report.calls = sum(self._recorded_by_signature[signature] for signature in signatures)
         if self._demoted is not None:  # this decision replaces a reduced-precision one the gate sent back
             decision.report.demoted, self._demoted = self._demoted, None
         family_wide = dynamic and decision.built is None

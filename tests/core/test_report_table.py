@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from aitune_hf.backends.inductor import InductorBackend
 from aitune_hf.backends.onnxruntime import OnnxRuntimeBackend
 from aitune_hf.core.report import CandidateResult, ModuleReport, SignatureReport, TuningReport, compact_backend
@@ -81,3 +83,21 @@ def test_a_row_whose_calls_ran_eager_mostly_says_both_states_and_why() -> None:
     second = next(line for line in table if line.startswith("encoder.layer.1"))
     assert "tuned/eager" in first and "eager served 70 of its 100 calls" in first, first
     assert "tuned/eager" not in second and "eager served" not in second, second
+
+
+def test_a_target_row_weighs_each_signature_by_its_calls() -> None:
+    # A generate(): one prefill (eager 2.6 ms, tuned 2.0 ms) and 31 decode steps (eager 1.6 ms, tuned 1.0 ms).
+    def tuned(text: str, eager_s: float, tuned_s: float, calls: int) -> SignatureReport:
+        chosen = CandidateResult("inductor", latency_s=tuned_s, speedup=eager_s / tuned_s)
+        return SignatureReport(text, 1, "inductor", eager_latency_s=eager_s, candidates=[chosen], calls=calls)
+
+    row = ModuleReport("model", "LlamaForCausalLM", "tuned", signatures=[
+        tuned("prefill", 0.0026, 0.0020, 1), tuned("decode", 0.0016, 0.0010, 31)])  # fmt: skip
+    assert row.eager_latency_s == pytest.approx((0.0026 + 31 * 0.0016) / 32)
+    assert row.tuned_latency_s == pytest.approx((0.0020 + 31 * 0.0010) / 32)
+    assert row.speedup == pytest.approx((0.0026 + 31 * 0.0016) / (0.0020 + 31 * 0.0010))  # 1.58x, near the steps'
+    saved = TuningReport.from_dict(TuningReport({"model": row}).to_dict())  # the calls survive a saved report
+    assert saved.modules["model"].speedup == pytest.approx(row.speedup)
+    unknown = ModuleReport("model", "LlamaForCausalLM", "tuned", signatures=[
+        tuned("prefill", 0.0026, 0.0020, 0), tuned("decode", 0.0016, 0.0010, 0)])  # fmt: skip
+    assert unknown.speedup == pytest.approx(0.0042 / 0.0030)  # calls unknown (an old report): one each
