@@ -88,6 +88,9 @@ class SignatureReport:
     #: What the search after the first plan did ("searched 3 more candidate(s) on the worker; ..."); None where no
     #: search was left to do, or while it is queued.
     search: str | None = None
+    #: Where the target is only measured whole over its blocks (`Target.measure_only`): the backend that beat the
+    #: blocks as they serve, at `speedup`; the blocks serve (`chosen` is "eager").
+    measured_whole: str | None = None
     #: The calls of this decision's signatures recorded before it was tuned (the traffic's mix then): a target's row
     #: weighs each signature by them (`ModuleReport.eager_latency_s`). 0 where unknown (it then counts as 1).
     calls: int = 0
@@ -146,6 +149,8 @@ class ModuleReport:
     #: Kept whole over blocks that are targets of their own (`Target.inner`): their names. Its "eager" is then its
     #: forward with those blocks served: what it was timed against, and what serves the families it does not win.
     blocks: list[str] = field(default_factory=list)
+    #: Kept over its blocks only to measure the whole against them (`targets="blocks"`, `compare_whole=True`).
+    measure_only: bool = False
 
     @property
     def backend(self) -> str:
@@ -283,8 +288,11 @@ class TuningReport:
             if report.blocks:
                 note = f"{note}; " if note else ""
                 note += (
-                    f"kept whole over its {len(report.blocks)} blocks: eager here is its blocks as they serve, timed "
-                    "against the whole; a shape family the whole does not win runs its blocks"
+                    f"measured whole against its {len(report.blocks)} blocks (compare_whole), never served whole: "
+                    "eager here is its blocks as they serve"
+                    if report.measure_only
+                    else f"kept whole over its {len(report.blocks)} blocks: eager here is its blocks as they serve, "
+                    "timed against the whole; a shape family the whole does not win runs its blocks"
                 )
             demoted = next((s for s in report.signatures if s.demoted), None)
             if demoted:
@@ -391,7 +399,10 @@ class TuningReport:
         for name, report in self.descended.items():
             lines.append(f"descended into {name} ({report.module_class}): as a whole it stayed eager: {report.reason}")
         for name, report in self.modules.items():
-            if report.blocks:
+            if report.measure_only:
+                if not report.idle:  # never called (a VAE's encoder where nothing encodes): nothing to measure
+                    lines.append(_whole_line(name, report))
+            elif report.blocks:
                 lines.append(
                     f"kept whole over its blocks: {name} ({report.module_class}) serves whole the shape families where "
                     f"it beats its {len(report.blocks)} blocks as they serve; its blocks serve the others"
@@ -631,6 +642,26 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or not denominator:
         return None
     return numerator / denominator
+
+
+def _whole_line(name: str, report: ModuleReport) -> str:
+    """What measuring a component whole against its blocks found (`targets="blocks"` with `compare_whole=True`)."""
+    what = f"{name} ({report.module_class})"
+    faster = [s for s in report.signatures if s.measured_whole]
+    if faster:
+        speedups = [next((c.speedup for c in s.candidates if c.backend == s.measured_whole), None) for s in faster]
+        figures = ", ".join(
+            f"{s.measured_whole} at {_x(x)} on {_clip(s.signature, 40)}" for s, x in zip(faster, speedups, strict=True)
+        )
+        return (
+            f"whole would be faster: {what} as a whole beat its {len(report.blocks)} blocks as they serve on "
+            f"{len(faster)} of {len(report.signatures)} shape famil{'y' if len(report.signatures) == 1 else 'ies'} "
+            f"({figures}); targets='auto' serves it so"
+        )
+    if report.signatures:
+        reasons = "; ".join(sorted({s.reason or "eager" for s in report.signatures}))
+        return f"blocks are faster: {what} as a whole did not beat its {len(report.blocks)} blocks ({reasons})"
+    return f"whole not measured yet: {what} is measured against its blocks once they serve a call whole"
 
 
 def _per_call(signatures: list[SignatureReport], latency: Callable[[SignatureReport], float | None]) -> float | None:

@@ -259,6 +259,9 @@ class Target:
         #: Targets for blocks inside this one, where it is kept whole over them (`regarding`): calls no route of its own
         #: serves run its forward with its blocks routing their own calls, and its candidates are timed against that.
         self.inner: tuple[Target, ...] = ()
+        #: Kept whole over its blocks only to measure the whole against them (`targets="blocks"` with
+        #: `compare_whole=True`): a decision the whole wins is reported (`SignatureReport.measured_whole`), not served.
+        self.measure_only = False
         #: Held while state, samples or routes change, and while this target tunes.
         self._lock = threading.RLock()
 
@@ -365,7 +368,7 @@ class Target:
             if self.decided and not any(self.samples.values()):
                 return
             self._why = why
-            self._off_thread = off_thread
+            self._off_thread = off_thread or self.measure_only  # a measurement serves nothing: never in a call
             self._move(TargetState.ARMED, self._reason)
 
     def pin_eager(self, reason: str) -> None:
@@ -1073,6 +1076,8 @@ class Target:
             logger.warning("%s: %s", self.name, reason, exc_info=True)
             decision = job.keep_eager(reason)
             decision.report.details = details(error)
+        if self.measure_only and decision.backend is not None:
+            decision = _measured_not_served(decision)
         logger.info("%s [%s]: %s", self.name, described, decision.report.chosen)
         # An eager decision holds for this module state too: a new state (FreeU off again) is tuned afresh.
         guard = decision.guard if decision.built is not None else ModuleGuard(self.module)
@@ -1160,10 +1165,25 @@ class Target:
             idle=self.idle,
             training=self.training,
             blocks=[t.name for t in self.inner],
+            measure_only=self.measure_only,
         )
 
     def __repr__(self) -> str:
         return f"Target({self.name!r}, {type(self.module).__name__}, state={self._state})"
+
+
+def _measured_not_served(decision: Decision) -> Decision:
+    """A whole that beat its blocks, where it is only measured (`Target.measure_only`): eager (the blocks serve), the
+    winner and its speed-up against the blocks kept in the report. The build is dropped, and no search follows."""
+    report = decision.report
+    assert report is not None
+    winner, speedup = report.chosen, report.speedup or 0.0
+    report.measured_whole, report.chosen = winner, "eager"
+    report.reason = (
+        f"measured, not served: the whole through {winner} ran at {speedup:.2f}x its blocks as they serve "
+        f"(targets='auto' would serve it so)"
+    )
+    return Decision(None, None, report, source=decision.source)
 
 
 def _drop(started: Started) -> None:

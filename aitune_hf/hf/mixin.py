@@ -96,6 +96,7 @@ class AITuneMixin:
         config: TuningConfig | Mapping[str, Any] | None = None,
         tune_after_calls: int | None = 1,
         component_backends: Sequence[str] | None = None,
+        compare_whole: bool = False,
         **config_fields: Any,
     ) -> Registration:
         """Find the targets, register them with the tuning core, and return the Registration.
@@ -110,6 +111,11 @@ class AITuneMixin:
         and tune, with every backend, in the call after; the component serves whole the families where it beats them
         (docs/targets.md).
 
+        `compare_whole=True` (with `targets="blocks"`): the blocks serve, and each component that holds blocks is also
+        measured whole, in fp32 with `component_backends`, against its blocks as they serve, once they serve a call;
+        the report says where the whole would have been faster ("whole would be faster: ...") or that it was not. The
+        whole is never served: `targets="auto"` serves it.
+
         Raises (before anything is registered or patched):
             ConfigError: a bad `tune_after_calls`, `component_backends` or `TuningConfig` field; a `quality` budget
                 whose metric does not fit what this object returns (PSNR on embeddings; `hf/outputs.py`). Where the
@@ -121,15 +127,16 @@ class AITuneMixin:
         # Every argument is checked before anything is registered or patched: a bad value leaves nothing behind.
         if self.__dict__.get("_aitune_state") is not None:
             raise UsageError("aitune is already enabled here; call disable_aitune() first to change its settings")
-        component_backends = _check_arguments(targets, tune_after_calls, component_backends)
+        component_backends = _check_arguments(targets, tune_after_calls, component_backends, compare_whole)
         tuning_config = _tuning_config(config, backends, strategy, config_fields)
         kinds = output_kinds(self)
         if kinds is not None:
             check_budget(tuning_config.quality, kinds, f"this {type(self).__name__}")
         auto = targets == "auto"
         found, registration = _register(
-            self, targets, tuning_config, auto_backends=component_backends if auto else None
-        )
+            self, targets, tuning_config, auto_backends=component_backends if auto else None,
+            compare_backends=component_backends if compare_whole else None,
+        )  # fmt: skip
         options = dict(
             targets=targets,
             backends=backends,
@@ -137,6 +144,7 @@ class AITuneMixin:
             config=config,
             tune_after_calls=tune_after_calls,
             component_backends=component_backends,
+            compare_whole=compare_whole,
             **config_fields,
         )
         schedule = Schedule(registration, type(self).__name__, tune_after_calls, auto)
@@ -346,9 +354,18 @@ def _last(obj: Any) -> Registration | None:
 _GENERATIVE_BACKENDS = frozenset({"inductor"})
 
 
-def _check_arguments(targets: Any, tune_after_calls: Any, component_backends: Any) -> tuple[str, ...]:
+def _check_arguments(
+    targets: Any, tune_after_calls: Any, component_backends: Any, compare_whole: Any = False
+) -> tuple[str, ...]:
     """Check `enable_aitune`'s own arguments (the config's fields are checked by `TuningConfig`); returns
     `component_backends` as a tuple."""
+    if not isinstance(compare_whole, bool):
+        raise ConfigError(f"enable_aitune compare_whole must be True or False, got {compare_whole!r}")
+    if compare_whole and not (isinstance(targets, str) and targets == "blocks"):
+        raise ConfigError(
+            f"enable_aitune compare_whole=True measures components against their blocks: it needs "
+            f"targets='blocks', got targets={targets!r:.60} ('auto' serves the whole where it wins)"
+        )
     if tune_after_calls is not None and (
         not isinstance(tune_after_calls, int) or isinstance(tune_after_calls, bool) or tune_after_calls < 1
     ):
@@ -388,11 +405,19 @@ def _tuning_config(
 
 
 def _register(
-    obj: Any, targets: TargetSelection, config: TuningConfig, *, auto_backends: tuple[str, ...] | None
+    obj: Any,
+    targets: TargetSelection,
+    config: TuningConfig,
+    *,
+    auto_backends: tuple[str, ...] | None,
+    compare_backends: tuple[str, ...] | None = None,
 ) -> tuple[list[FoundTarget], Registration]:
     """Find the targets of `obj` and register them, all or nothing, with the restrictions of offload hooks. Auto
-    mode (`auto_backends` given, else None) registers whole components, each tried with those backends only."""
+    mode (`auto_backends` given, else None) registers whole components, each tried with those backends only;
+    `compare_backends` (blocks with `compare_whole=True`): `_register_compared`."""
     install_slot_locators()
+    if compare_backends is not None:
+        return _register_compared(obj, config, compare_backends)
     found = find_targets(obj, "components" if auto_backends is not None else targets)
     registration = register(as_modules(found), config)
     try:
@@ -407,6 +432,41 @@ def _register(
         registration.detach()  # all or nothing: no target stays patched when enabling fails
         raise
     return found, registration
+
+
+def _register_compared(
+    obj: Any, config: TuningConfig, backends: tuple[str, ...]
+) -> tuple[list[FoundTarget], Registration]:
+    """`targets="blocks"` with `compare_whole=True`: every block a target, as with "blocks"; each component that holds
+    blocks registered too and kept whole over them (`Registration.descend(keep=True)`) only to be measured
+    (`Target.measure_only`), in fp32, with `backends`. A component whose weights move inside it (an offload hook) is
+    not measured: its blocks take its place, as in auto mode."""
+    blocks = find_targets(obj, "blocks")
+
+    def inside(component: FoundTarget) -> list[FoundTarget]:
+        return [b for b in blocks if any(b.module is m for m in component.module.modules())]
+
+    components = [c for c in find_targets(obj, "components") if inside(c)]
+    loose = [b for b in blocks if not any(b in inside(c) for c in components)]
+    registration = register(as_modules([*components, *loose]), config)
+    found: list[FoundTarget] = []
+    try:
+        _apply_weight_motion(registration, [*components, *loose])
+        allowed = set(backends)
+        reason = f"compare_whole measures whole components in fp32 with {', '.join(sorted(allowed))} only"
+        for component in components:
+            target = registration.targets[component.name]
+            keep = target.pinned_reason is None
+            if keep:
+                target.measure_only = True
+                target.restrict(lambda b: b.name in allowed and b.precision == "fp32", reason)
+            registration.descend(component.name, as_modules(inside(component)), keep=keep)
+            _apply_weight_motion(registration, inside(component))
+            found += [component, *inside(component)] if keep else inside(component)
+    except BaseException:
+        registration.detach()  # all or nothing
+        raise
+    return [*found, *loose], registration
 
 
 def _fields(config: TuningConfig) -> dict[str, Any]:

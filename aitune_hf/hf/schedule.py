@@ -36,6 +36,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from aitune_hf.core.registration import Registration
+from aitune_hf.core.target import TargetState
 
 #: Arming is reported on the mixin's logger, where it always was (users and docs filter on it).
 logger = logging.getLogger("aitune_hf.hf.mixin")
@@ -169,10 +170,14 @@ class Schedule:
 
     def _new_shapes_waiting(self) -> bool:
         """True when a decided target has recorded calls that no route serves (a new shape family, or a shape its
-        build does not cover): with automatic arming, the next call tunes them."""
+        build does not cover), or a target kept whole over its blocks and not tuning has (it records a call only once
+        its blocks served all of it): with automatic arming, the next call tunes them."""
         if not self.automatic:
             return False
-        return any(target.decided and target.samples for target in self.registration.targets.values())
+        return any(
+            (t.decided or (t.inner and t.state is TargetState.RECORDING)) and t.samples
+            for t in self.registration.targets.values()
+        )
 
     # -- no whole call seen ---------------------------------------------------------------------------------
     def observe(self, target: str) -> None:

@@ -187,7 +187,7 @@ def test_a_target_called_back_to_back_is_timed_in_warm_turns_and_one_among_sibli
         reports = reg.report().modules
         assert [s.back_to_back for s in reports["first"].signatures] == [True]
         assert [s.back_to_back for s in reports["second"].signatures] == [False]
-        # Each decision knows the calls its signature had when it tuned (the row's weights): first's ten, second's three.
+        # Each decision knows the calls its signature had when it tuned (the row's weights): ten, and three.
         assert [s.calls for s in reports["first"].signatures] == [10]
         assert [s.calls for s in reports["second"].signatures] == [3]
         assert "timed back to back (their calls follow each other, so each candidate's turn starts warm): first" in (

@@ -301,3 +301,46 @@ def test_a_weight_edit_inside_a_block_stops_the_whole_from_serving_what_it_baked
     assert "weight" in outer.changes[-1]
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     reg.detach()
+
+
+def test_measured_only_the_whole_is_reported_against_its_blocks_and_never_serves() -> None:
+    """`targets="blocks"` with `compare_whole=True` keeps each component over its blocks only to measure it
+    (`Target.measure_only`): at batch 1 the whole (three MLPs, no waste) beats the blocks as they serve (two MLPs and
+    the waste) and the report says so; at batch 64 it does not (three against two). The blocks serve both; every call
+    equals eager."""
+    torch.manual_seed(0)
+    model = Wasteful().eval()
+    x1, x64 = torch.randn(1, WIDTH), torch.randn(64, WIDTH)
+    whole = Whole(extra=True)
+    whole.builds_privately = True  # it traces nothing: it may build on the worker, where a measurement tunes
+    with torch.no_grad():
+        expected = {1: model(x1), 64: model(x64)}
+        reg = register({"model": model}, _config(backends=[whole, OnceBlocks()]))
+        reg.targets["model"].measure_only = True
+        reg.descend("model", _blocks(model), keep=True)
+        outputs = []
+        for x in (x1, x64):
+            outputs.append((x, model(x)))  # the blocks record
+            reg.tune()
+            outputs.append((x, model(x)))  # the blocks tune (the outer has nothing to tune yet)
+            outputs.append((x, model(x)))  # served by the blocks: the outer records
+            reg.tune()
+            outputs.append((x, model(x)))  # the outer is timed against its blocks as they serve, on the worker
+            reg.wait()
+            assert reg.targets["model"].decided
+            outputs.append((x, model(x)))  # the blocks serve
+    assert whole.builds == 2
+    served = _served(reg)
+    assert "whole" not in served["model"] and served["model.blocks.0"]["once_blocks"] >= 6, served
+    report = reg.targets["model"].report()
+    by_batch = {s.signature.split("[")[1].split("x")[0]: s for s in report.signatures}
+    assert by_batch["1"].measured_whole == "whole" and by_batch["1"].chosen == "eager", by_batch["1"]
+    assert "measured, not served: the whole through whole ran at" in by_batch["1"].reason
+    assert by_batch["64"].measured_whole is None and "nothing was faster" in by_batch["64"].reason
+    text = str(reg.report())
+    assert "whole would be faster: model (Wasteful) as a whole beat its 2 blocks as they serve on 1 of 2" in text, text
+    assert "kept whole over its blocks" not in text
+    for x, out in outputs:
+        torch.testing.assert_close(out, expected[x.shape[0]], rtol=0, atol=0)
+    reg.detach()
+    assert _unpatched(model)

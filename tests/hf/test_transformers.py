@@ -10,6 +10,7 @@ import transformers
 from transformers import AutoModel, AutoTokenizer, BertModel
 
 from aitune_hf import AITuneModel, AITunePipeline, TargetState, enable_aitune
+from aitune_hf.errors import ConfigError
 from aitune_hf.testing import minilm_path
 from tests.hf.conftest import unpatched
 from tests.quick import ORT
@@ -107,3 +108,36 @@ def test_transformers_pipeline_object() -> None:
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
     pipe.disable_aitune()
     assert unpatched(pipe.model.modules())
+
+
+def test_compare_whole_measures_the_model_against_its_blocks_and_serves_the_blocks(batch) -> None:
+    """`targets="blocks", compare_whole=True`: the layers serve; the model is measured whole (ONNX Runtime, on the
+    worker) against its layers as they serve, once they serve a call, and the report says which was faster. The whole
+    never serves; every call equals eager."""
+    model = AITuneModel.from_pretrained(minilm_path(), local_files_only=True).eval()
+    with torch.no_grad():
+        expected = model(**batch).last_hidden_state
+    with pytest.raises(ConfigError, match="compare_whole=True measures components against their blocks"):
+        model.enable_aitune("auto", compare_whole=True)
+    assert unpatched(model.modules())
+    registration = model.enable_aitune("blocks", compare_whole=True, **{**ORT, "min_speedup": 1.05})
+    assert list(registration.targets) == ["model", *(f"encoder.layer.{i}" for i in range(6))]
+    outputs = []
+    with torch.no_grad():
+        for _ in range(4):  # records; the layers tune; they serve, the model records; the model is measured
+            outputs.append(model(**batch).last_hidden_state)
+        registration.wait()
+        outputs.append(model(**batch).last_hidden_state)
+    whole = registration.targets["model"]
+    assert whole.decided and set(whole.calls_served) == {"eager"}, registration.report()
+    assert all(registration.targets[f"encoder.layer.{i}"].calls_served.get("onnxruntime") for i in range(6))
+    [signature] = whole.report().signatures
+    [candidate] = [c for c in signature.candidates if c.backend == "onnxruntime"]
+    assert candidate.speedup is not None and candidate.rounds  # timed against the layers as they serve
+    text = str(registration.report())
+    line = "whole would be faster: model (BertModel)" if signature.measured_whole else "blocks are faster: model"
+    assert line in text, text
+    for out in outputs:
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    model.disable_aitune()
+    assert unpatched(model.modules())
