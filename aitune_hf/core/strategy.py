@@ -379,7 +379,7 @@ class TuningJob:
         timed = [self.samples[i] for i in self._timed]
         stateful = any(sample.stateful for sample in timed)
         # Cold turns mis-rank only an engine with its own copy of the weights (and its own threads) against eager's,
-        # whose weights the others share: warm turns where one is timed (each costs up to 20 ms more per turn).
+        # whose weights the others share: warm turns where one is timed (each costs up to 10 ms more per turn).
         timed_builds = [built for _, built in candidates] + ([against[1]] if against is not None else [])
         warm = self.back_to_back and any(built.bakes_weights for built in timed_builds)
         self.report.back_to_back = self.report.back_to_back or warm

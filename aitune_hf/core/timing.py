@@ -24,7 +24,7 @@ CONFIDENCE = 0.95
 #: this: up to `WARM_RUNS` of them, until they have taken this long. Where a call is this short, the runs of the others
 #: between its turns leave it cold (its weights out of the CPU's caches; an engine's own threads asleep), as serving
 #: calls back to back does not; a longer call reads its weights from memory either way.
-WARM_TURN_S = 0.02
+WARM_TURN_S = 0.01
 WARM_RUNS = 7
 
 
@@ -113,7 +113,8 @@ def time_until_settled(
     candidate's last timed run was short. Taking turns alone times each candidate cold, right after the others: a
     4-layer 256-wide Llama's decode step replayed, OpenVINO's stateful engine 1.38 ms and eager 1.89 ms in turns
     (1.30x), 0.72 ms and 1.18 ms after seven warm runs (1.62x), 0.73 ms and 1.25 ms replayed back to back alone (one
-    thread, AMD EPYC); one warm run was not enough (1.13x).
+    thread, AMD EPYC); one warm run was not enough (1.13x). With these settings: 0.68-0.70 ms and 1.06 ms (1.48-1.60x)
+    where plain turns read 1.26-1.41x, in two runs each.
 
     The sequential rule. For a candidate c and timed round i let q_i = t_i(baseline) / t_i(c), the paired speed-up in
     that round; its estimate is the median of q_1..q_n and its bounds (lo, hi) are the sign test's (`median_bounds`
