@@ -221,6 +221,16 @@ def _first_call(note: Callable[[Any], str]) -> Callable[[Any, Workload], str]:
     return prepare
 
 
+def _whole_against_blocks(report: Any) -> str:
+    """A measured component's best whole candidate against its blocks as they serve ("1.55x (onnxruntime)")."""
+    best = max(
+        (c for s in report.signatures for c in s.candidates if c.speedup is not None),
+        key=lambda c: c.speedup,
+        default=None,
+    )
+    return "not measured" if best is None else f"{best.speedup:.2f}x ({best.backend})"
+
+
 def _session_note(session: SessionResult) -> str:
     registration = session.registration
     chosen: dict[str, int] = {}
@@ -231,6 +241,10 @@ def _session_note(session: SessionResult) -> str:
     stats = getattr(registration.cache, "stats", None)
     if stats is not None:
         note += f"; cache: {stats.hits} reused, {stats.misses} tuned"
+    reports = registration.reports.items()
+    compared = [f"{name} {_whole_against_blocks(report)}" for name, report in reports if report.measure_only]
+    if compared:
+        note += f"; whole against its blocks as they serve (compare_whole): {', '.join(compared)}"
     return note if session.passed else f"{note}; CHECK FAILED (max diff {session.max_abs_diff:.1e})"
 
 
@@ -262,6 +276,10 @@ METHODS = {
     "openvino_components_bf16_static": _openvino_whole("openvino_components_bf16_static", "bf16", specialize=True),
     "aitune_blocks": Method("aitune_blocks", session={"targets": "blocks", "progress": False}),
     "aitune_auto": Method("aitune_auto", session={"targets": "auto", "progress": False}),
+    # The blocks serve; each component is also measured whole against them (on the worker): the note says which won.
+    "aitune_blocks_compare": Method(
+        "aitune_blocks_compare", session={"targets": "blocks", "compare_whole": True, "progress": False}
+    ),
     # Reduced precision (opt-in): every precision this CPU computes natively, gated end to end (docs/precision.md).
     "aitune_precision": Method(
         "aitune_precision", session={"targets": "blocks", "precision": "auto", "progress": False}

@@ -252,7 +252,9 @@ class Registration:
                 _HELD.pop(target.module, None)
             raise
 
-    def descend(self, name: str, children: Mapping[str, torch.nn.Module], keep: bool = False) -> list[Target]:
+    def descend(
+        self, name: str, children: Mapping[str, torch.nn.Module], keep: bool = False, measure_only: bool = False
+    ) -> list[Target]:
         """Add targets for modules inside target `name` (all or nothing); they start RECORDING, in order.
 
         For a target that did not win as a whole, its children are tried instead. Without `keep`, the old target is
@@ -260,8 +262,12 @@ class Registration:
         whole over its blocks (`Target.inner`): its routes that serve go on serving their shape families whole, and
         every other call runs its eager forward, where the new targets route their own calls; a shape family it meets
         later is tuned once its blocks have decided it, against them as they serve. Its routes are re-guarded with the
-        blocks' routers in place (a route whose guard fails now is dropped).
+        blocks' routers in place (a route whose guard fails now is dropped). `measure_only` (implies `keep`): the target
+        is kept over its blocks only to be measured against them (`Target.measure_only`: what it wins is reported, never
+        served), and the blocks are targets of their own from the start, not a descent (`settling` does not wait for
+        those never called).
         """
+        keep = keep or measure_only
         if self._detached:
             raise UsageError("descend() after detach(): register the modules again")
         if name not in self._targets:
@@ -286,9 +292,11 @@ class Registration:
             self._check_not_nested(new_modules, over=parent.module)
             with parent.regarding(list(new_targets.values())):  # re-guards its routes once the routers are in
                 self._install(list(new_targets.values()))
+            parent.measure_only = measure_only
             self._targets = _splice(self._targets, name, {name: parent, **new_targets})
             self._modules = _splice(self._modules, name, {name: parent.module, **new_modules})
-            self._descended_into += list(new_targets)
+            if not measure_only:
+                self._descended_into += list(new_targets)
             return list(new_targets.values())
         report = parent.report()
         parent.uninstall()
@@ -344,10 +352,15 @@ class Registration:
     @property
     def settling(self) -> bool:
         """True while a target that has been called is armed (it tunes at its next call), or one that `descend()` added
-        has not been called yet (it records in the next whole call): more calls will tune. `all_tuned` does not wait
-        for targets never called (a VAE's encoder stages), and so not for the blocks a descent just added."""
-        return any(t.armed and not t.idle for t in self._targets.values()) or any(
-            self._targets[name].idle for name in self._descended_into if name in self._targets
+        has not been called yet (it records in the next whole call), or one kept over its blocks only to be measured
+        has been called and not measured yet (it records once its blocks serve a call whole): more calls will tune.
+        `all_tuned` does not wait for targets never called (a VAE's encoder stages), and so not for the blocks a descent
+        just added."""
+        targets = self._targets.values()
+        return (
+            any(t.armed and not t.idle for t in targets)
+            or any(self._targets[name].idle for name in self._descended_into if name in self._targets)
+            or any(t.measure_only and not t.idle and not t.decided for t in targets)
         )
 
     @property

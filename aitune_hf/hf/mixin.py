@@ -458,9 +458,8 @@ def _register_compared(
             target = registration.targets[component.name]
             keep = target.pinned_reason is None
             if keep:
-                target.measure_only = True
                 target.restrict(lambda b: b.name in allowed and b.precision == "fp32", reason)
-            registration.descend(component.name, as_modules(inside(component)), keep=keep)
+            registration.descend(component.name, as_modules(inside(component)), measure_only=keep)
             _apply_weight_motion(registration, inside(component))
             found += [component, *inside(component)] if keep else inside(component)
     except BaseException:

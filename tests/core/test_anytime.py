@@ -21,11 +21,12 @@ from aitune_hf.backends.base import Backend, BuiltBackend, Call
 from tests.quick import QUICK
 
 #: Every call of the eager forward waits this long (the candidates wait less, or nothing).
-EAGER_WAIT_S = 0.03
-#: What a first plan waits a call: far ahead of eager on its check (`strategy._far_ahead`: over 2.1x) even where a
-#: loaded host wakes each sleep 15 ms late (0.045 / 0.017 s); at 8 ms one CI run read it short of that, and the
-#: candidate the search was for was tried in the tuning call instead.
-FIRST_PLAN_S = 0.002
+EAGER_WAIT_S = 0.04
+#: What a first plan waits a call. Far ahead of eager on its check (`strategy._far_ahead`: over 2.1x) while a loaded
+#: host wakes each sleep up to 21 ms late (with eager at 30 ms, one CI run read it short of that at 8 ms, and the
+#: candidate meant for the search was tried in the tuning call); and clearly slower than a candidate that waits nothing,
+#: which a late wake-up makes as slow as a short wait (at 2 ms, one CI run could not tell them apart).
+FIRST_PLAN_S = 0.008
 ANYTIME: dict[str, Any] = {**QUICK, "anytime": True, "min_speedup": 1.05, "cache": "off"}
 #: The direction a reduced-precision stand-in moves a block's output (4 x 8, as the tests call it).
 DIRECTION = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))

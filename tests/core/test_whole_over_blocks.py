@@ -316,8 +316,8 @@ def test_measured_only_the_whole_is_reported_against_its_blocks_and_never_serves
     with torch.no_grad():
         expected = {1: model(x1), 64: model(x64)}
         reg = register({"model": model}, _config(backends=[whole, OnceBlocks()]))
-        reg.targets["model"].measure_only = True
-        reg.descend("model", _blocks(model), keep=True)
+        reg.descend("model", _blocks(model), measure_only=True)
+        assert reg.targets["model"].measure_only and reg.settling is False  # called by nothing yet
         outputs = []
         for x in (x1, x64):
             outputs.append((x, model(x)))  # the blocks record
