@@ -395,9 +395,13 @@ class Registration:
 
     def _quiet(self) -> bool:
         """True when no target that has been called tunes or waits to tune, and nothing waits for the end-to-end
-        gate."""
+        gate. A target only measured (`Target.measure_only`) tunes on the worker, one job among the searches: it holds
+        none of them back."""
         busy = (TargetState.ARMED, TargetState.TUNING)
-        return not any(t.state in busy and not t.idle for t in self._targets.values()) and not self.waiting_for_gate
+        return (
+            not any(t.state in busy and not t.idle and not t.measure_only for t in self._targets.values())
+            and not self.waiting_for_gate
+        )
 
     @property
     def searching(self) -> int:

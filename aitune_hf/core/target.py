@@ -370,6 +370,9 @@ class Target:
             self._why = why
             self._off_thread = off_thread or self.measure_only  # a measurement serves nothing: never in a call
             self._move(TargetState.ARMED, self._reason)
+            worker = self._context.worker() if self.measure_only and self.samples else None
+        if worker is not None:  # what it measures is recorded: the worker starts now, not at its next call
+            worker.submit(self)
 
     def pin_eager(self, reason: str) -> None:
         """Keep this target eager for good (it cannot be tuned where it stands); `reason` is reported."""
