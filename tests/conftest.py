@@ -47,12 +47,15 @@ def pytest_configure(config: pytest.Config) -> None:
     # the backend no longer silences warnings (not thread-safe), so the tests do, for this one only.
     config.addinivalue_line("filterwarnings", r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")
     # Libraries that add warnings filters when first imported (sympy, imported by the first export or compile; scipy,
-    # by ONNX Runtime's quantization tool, which the int8 candidates import): imported here, once, so that the
-    # per-test check below sees what a test did, not what an import did.
+    # by ONNX Runtime's quantization tool, which the int8 candidates import; requests and urllib3, by the first
+    # `save_pretrained` of a test that builds its own tiny model): imported here, once, so that the per-test check
+    # below sees what a test did, not what an import did.
     import sympy  # noqa: F401
 
     with contextlib.suppress(ImportError):
         import onnxruntime.quantization  # noqa: F401
+    with contextlib.suppress(ImportError):
+        import requests  # noqa: F401
 
 
 #: Modules whose tests run together on one xdist worker: each builds a tuned pipeline or model in a module-scoped
