@@ -260,7 +260,7 @@ class AITuneMixin:
         new_found = []
         for component in list(state.found):
             target = registration.targets[component.name]
-            inside = [b for b in blocks if any(b.module is m for m in component.module.modules())]
+            inside = _blocks_inside(component, blocks)
             eager_somewhere = target.state is TargetState.EAGER or any(r.built is None for r in target.routes)
             if not eager_somewhere or not inside:
                 new_found.append(component)
@@ -442,12 +442,10 @@ def _register_compared(
     (`Target.measure_only`), in fp32, with `backends`. A component whose weights move inside it (an offload hook) is
     not measured: its blocks take its place, as in auto mode."""
     blocks = find_targets(obj, "blocks")
-
-    def inside(component: FoundTarget) -> list[FoundTarget]:
-        return [b for b in blocks if any(b.module is m for m in component.module.modules())]
-
-    components = [c for c in find_targets(obj, "components") if inside(c)]
-    loose = [b for b in blocks if not any(b in inside(c) for c in components)]
+    held = {c.name: (c, inside) for c in find_targets(obj, "components") if (inside := _blocks_inside(c, blocks))}
+    components = [component for component, _ in held.values()]
+    taken = {id(b) for _, inside in held.values() for b in inside}
+    loose = [b for b in blocks if id(b) not in taken]
     registration = register(as_modules([*components, *loose]), config)
     found: list[FoundTarget] = []
     try:
@@ -455,17 +453,24 @@ def _register_compared(
         allowed = set(backends)
         reason = f"compare_whole measures whole components in fp32 with {', '.join(sorted(allowed))} only"
         for component in components:
+            inside = held[component.name][1]
             target = registration.targets[component.name]
             keep = target.pinned_reason is None
             if keep:
                 target.restrict(lambda b: b.name in allowed and b.precision == "fp32", reason)
-            registration.descend(component.name, as_modules(inside(component)), measure_only=keep)
-            _apply_weight_motion(registration, inside(component))
-            found += [component, *inside(component)] if keep else inside(component)
+            registration.descend(component.name, as_modules(inside), measure_only=keep)
+            _apply_weight_motion(registration, inside)
+            found += [component, *inside] if keep else inside
     except BaseException:
         registration.detach()  # all or nothing
         raise
     return [*found, *loose], registration
+
+
+def _blocks_inside(component: FoundTarget, blocks: list[FoundTarget]) -> list[FoundTarget]:
+    """The blocks among `blocks` that sit inside `component` (one walk of its modules)."""
+    modules = {id(m) for m in component.module.modules()}
+    return [b for b in blocks if id(b.module) in modules]
 
 
 def _fields(config: TuningConfig) -> dict[str, Any]:
