@@ -80,7 +80,7 @@ class OpenVinoDecoderBackend(Backend):
 
         from aitune_hf.backends.openvino import OpenVinoBackend
 
-        return {**OpenVinoBackend.versions(), "transformers": transformers.__version__, "aitune-hf decoder build": "2"}
+        return {**OpenVinoBackend.versions(), "transformers": transformers.__version__, "aitune-hf decoder build": "3"}
 
     def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
         import importlib.util
@@ -190,7 +190,13 @@ def _compile(
     from openvino import opset13
     from openvino._offline_transformations import apply_make_stateful_transformation
 
-    from aitune_hf.backends.openvino import OpenVinoBackend, _check_precision, _core, run_elsewhere_first
+    from aitune_hf.backends.openvino import (
+        OpenVinoBackend,
+        _check_precision,
+        _core,
+        run_elsewhere_first,
+        unmark_scalar_conversions,
+    )
 
     config = module.config
     layers = config.num_hidden_layers
@@ -215,6 +221,7 @@ def _compile(
         model = openvino.convert_model(program)
     except Exception as error:  # an architecture the trace or the frontend does not take: this candidate's reason
         raise CandidateUnavailable(f"openvino_decoder could not trace or convert this model: {error}") from None
+    unmark_scalar_conversions(model)  # the rotary embeddings fused (RoPE layers), as in the model read back from disk
     inputs = ["input_ids", "attention_mask", "position_ids", *(f"past.{i}" for i in range(2 * layers))]
     outputs = ["logits", *(f"new.{i}" for i in range(2 * layers)), *(f"present.{i}" for i in range(2 * layers))]
     if len(model.inputs) != len(inputs) or len(model.outputs) != len(outputs):

@@ -512,6 +512,48 @@ def test_long_attention_runs_fused_and_never_as_a_score_matrix() -> None:
             torch.testing.assert_close(built.fn(hidden), module(hidden), **FP32)
 
 
+class _Rotary(nn.Module):
+    """Queries and keys of a Llama attention turned by its rotary embedding (`apply_rotary_pos_emb`), cos and sin
+    given as the decoder layer is given them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        batch, tokens, _ = hidden.shape
+        q = self.q(hidden).view(batch, tokens, 4, 8).transpose(1, 2)
+        k = self.k(hidden).view(batch, tokens, 4, 8).transpose(1, 2)
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def _rotary_call(batch: int, tokens: int) -> tuple[torch.Tensor, ...]:
+    angles = torch.arange(tokens)[:, None] * torch.rand(4)[None]
+    both = torch.cat([angles, angles], -1)[None].expand(batch, tokens, 8)
+    return torch.randn(batch, tokens, 32), both.cos(), both.sin()
+
+
+def test_a_rotary_embedding_through_the_torch_export_door_runs_as_one_rope_layer() -> None:
+    """OpenVINO's PyTorch frontend marks the `-1` of `rotate_half`'s `torch.neg` to be kept unfolded; compiled from
+    memory, each rotary embedding then ran as a Split, a Concatenation, three Eltwise layers and a Convert, and as one
+    RoPE layer only once the model was written and read back (optimum-intel's way). The door unmarks it
+    (`unmark_scalar_conversions`): one RoPE layer for the queries and one for the keys, no Eltwise or Convert left,
+    over a shape family, within fp32 tolerances."""
+    torch.manual_seed(0)
+    module = _Rotary().eval()
+    calls = [_rotary_call(2, 5), _rotary_call(1, 7)]
+    built = _build(OpenVinoBackend(num_threads=1, door="torch.export"), module, calls, dynamic=True)
+    kinds = [info["layerType"].astype(str) for info in _runtime_info(built)]
+    assert kinds.count("RoPE") == 2 and not {"Eltwise", "Convert"} & set(kinds), sorted(kinds)
+    for batch, tokens in [(3, 9), (1, 1)]:
+        call = _rotary_call(batch, tokens)
+        with torch.no_grad():
+            for got, expected in zip(built.fn(*call), module(*call), strict=True):
+                torch.testing.assert_close(got, expected, **FP32)
+
+
 def test_attention_with_a_boolean_mask_runs_fused_and_zeroes_a_fully_masked_row_as_torch_does() -> None:
     """The exporter writes a boolean mask's attention with a NaN step between the softmax and the second MatMul, which
     kept OpenVINO from fusing it (the whole MiniLM ran 6 Softmax and 12 MatMul layers), and a query row that sees no key

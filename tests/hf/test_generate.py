@@ -458,7 +458,8 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
     the plain calls' signature: the engine's state, not that cache's, is reloaded from it); compared: beam search,
     which reorders the cache between steps; three threads generating at once (each its own infer request and state).
     A static cache makes it unavailable, with the reason, and eager serves.
-    The engine's form is asserted too: the attention fused with the cache, the cache kept in f32.
+    The engine's form is asserted too: the attention fused with the cache, the rotary embeddings fused, the cache kept
+    in f32.
     (A left-padded batch passes a 2D mask that grows every step: each step is a signature of its own, eager until
     tuned; the recipe test above compares such a batch, and tuning each of its steps here cost the suite 30 s.)"""
     pytest.importorskip("openvino")
@@ -482,6 +483,7 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
             )
             layers = model.config.num_hidden_layers
             assert kinds["ScaledDotProductAttention"] == layers and kinds["Softmax"] == 0, kinds
+            assert kinds["RoPE"] == 2 * layers, kinds  # the rotary embeddings fused (`unmark_scalar_conversions`)
             assert engine._compiled.get_property("KV_CACHE_PRECISION").to_string() == "f32"
         continued = model.generate(input_ids=out.sequences, **GENERATE, cache=out.cache)
         with model.aitune.bypass():
