@@ -291,6 +291,14 @@ class Target:
         return self._state in (TargetState.TUNED, TargetState.EAGER)
 
     @property
+    def new_shapes_recorded(self) -> bool:
+        """True when it holds recorded calls of a signature none of its routes was built for (a new shape, a new shape
+        family): what a schedule arms a decided target for. Calls recorded under a routed signature whose guard failed
+        (the module changed) are not: `_changed` re-arms for those where `retune` allows, and with `retune=False` only
+        `tune()` does (the schedule re-tuned every changed model on the worker)."""
+        return any(signature not in self._routes for signature in list(self.samples))
+
+    @property
     def idle(self) -> bool:
         """True while the target has never been called (since registration): a VAE's encoder stages in a pipeline
         that never encodes. `Registration.all_tuned` does not wait for idle targets."""

@@ -456,7 +456,9 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
     written back into generate()'s DynamicCache after every step: every generate() gives eager's tokens and logits in
     the same state. Served: the plain calls, and a second turn on the cache a first one left (its decode steps have
     the plain calls' signature: the engine's state, not that cache's, is reloaded from it); compared: beam search,
-    which reorders the cache between steps; three threads generating at once (each its own infer request and state).
+    which reorders the cache between steps; three threads generating at once (each its own infer request and state);
+    train mode (eager) and eval mode again (served); a LoRA adapter added (eager from then on: the engine holds the
+    weights without it).
     A static cache makes it unavailable, with the reason, and eager serves.
     The engine's form is asserted too: the attention fused with the cache, the rotary embeddings fused, the cache kept
     in f32.
@@ -464,7 +466,12 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
     tuned; the recipe test above compares such a batch, and tuning each of its steps here cost the suite 30 s.)"""
     pytest.importorskip("openvino")
     model = load(lm_folders, "llama")
-    registration = model.enable_aitune("components", backends=["openvino_decoder"], **QUICK)
+    # retune=False: a changed model runs eager from then on (no rebuild of the engine after the LoRA adapter below);
+    # max_signatures=2: the prefill and the decode step; beam search's shapes (4 rows) are counted, not recorded, so
+    # the worker builds no engine for them while the test goes on (13 s)
+    registration = model.enable_aitune(
+        "components", backends=["openvino_decoder"], retune=False, max_signatures=2, **QUICK
+    )
     generator = torch.Generator().manual_seed(3)
     plain = {"input_ids": torch.randint(3, 128, (2, 5), generator=generator)}
 
@@ -514,6 +521,26 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
             for turn, tokens in enumerate(got[index]):
                 assert torch.equal(tokens, want_tokens), f"thread {index}, call {turn + 1}: {registration.report()}"
         assert target.calls_served["openvino_decoder"] >= served + 6 * (GENERATE["max_new_tokens"] - 1)
+        # Train mode: eager (the engine holds eval mode's state); back in eval mode, the engine serves again.
+        served = target.calls_served["openvino_decoder"]
+        model.train()
+        generate_beside_eager(model, "train mode", plain)
+        assert target.calls_served["openvino_decoder"] == served, registration.report()
+        model.eval()
+        before, _ = generate_beside_eager(model, "eval mode again", plain)
+        assert target.calls_served["openvino_decoder"] >= served + GENERATE["max_new_tokens"] - 1
+        # A LoRA adapter put in place by peft (B not zero: the tokens change): the engine holds the weights without it
+        # and never serves again; every call is eager's in the new state.
+        from peft import LoraConfig, inject_adapter_in_model
+
+        served = target.calls_served["openvino_decoder"]
+        inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False), model)
+        out, _ = generate_beside_eager(model, "a LoRA adapter added", plain)
+        assert target.calls_served["openvino_decoder"] == served, registration.report()
+        # Its calls were recorded under the signatures the engine serves: not new shapes, so nothing re-tunes them
+        # (`Target.new_shapes_recorded`): with retune=False only `tune()` would.
+        assert target.samples and target.state is TargetState.TUNED, registration.report()
+        assert not torch.equal(out.sequences, before.sequences)  # the adapter changed the tokens
     finally:
         model.disable_aitune()
     model.generation_config.cache_implementation = "static"
