@@ -291,11 +291,13 @@ class Target:
         return self._state in (TargetState.TUNED, TargetState.EAGER)
 
     @property
-    def new_shapes_recorded(self) -> bool:
-        """True when it holds recorded calls of a signature none of its routes was built for (a new shape, a new shape
-        family): what a schedule arms a decided target for. Calls recorded under a routed signature whose guard failed
-        (the module changed) are not: `_changed` re-arms for those where `retune` allows, and with `retune=False` only
-        `tune()` does (the schedule re-tuned every changed model on the worker)."""
+    def has_calls_to_tune(self) -> bool:
+        """True when it holds recorded calls a schedule may arm it for: of a signature none of its routes was built for
+        (a new shape, a new shape family), or, where `retune` allows, of a routed signature whose guard failed (the
+        module changed since). With `retune=False` those wait for `tune()`: the schedule had re-tuned every changed
+        model on the worker."""
+        if self._context.config.retune:
+            return bool(self.samples)
         return any(signature not in self._routes for signature in list(self.samples))
 
     @property

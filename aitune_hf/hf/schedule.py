@@ -169,14 +169,14 @@ class Schedule:
             registration.tune(f"new input shapes recorded in whole call {calls} of {self.owner}", off_thread)
 
     def _new_shapes_waiting(self) -> bool:
-        """True when a decided target has recorded calls of a signature it has no route for (a new shape family, or a
-        shape its build does not cover; not the calls of a module changed since its routes were built:
-        `Target.new_shapes_recorded`), or a target kept whole over its blocks and not tuning has recorded calls (it
-        records a call only once its blocks served all of it): with automatic arming, the next call tunes them."""
+        """True when a decided target has recorded calls to tune (a new shape family, a shape its build does not cover,
+        or a changed module state where `retune` allows: `Target.has_calls_to_tune`), or a target kept whole over its
+        blocks and not tuning has recorded calls (it records a call only once its blocks served all of it): with
+        automatic arming, the next call tunes them."""
         if not self.automatic:
             return False
         return any(
-            (t.decided and t.new_shapes_recorded) or (t.inner and t.state is TargetState.RECORDING and t.samples)
+            (t.decided and t.has_calls_to_tune) or (t.inner and t.state is TargetState.RECORDING and t.samples)
             for t in self.registration.targets.values()
         )
 

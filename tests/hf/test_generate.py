@@ -538,7 +538,7 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
         out, _ = generate_beside_eager(model, "a LoRA adapter added", plain)
         assert target.calls_served["openvino_decoder"] == served, registration.report()
         # Its calls were recorded under the signatures the engine serves: not new shapes, so nothing re-tunes them
-        # (`Target.new_shapes_recorded`): with retune=False only `tune()` would.
+        # (`Target.has_calls_to_tune`): with retune=False only `tune()` would.
         assert target.samples and target.state is TargetState.TUNED, registration.report()
         assert not torch.equal(out.sequences, before.sequences)  # the adapter changed the tokens
     finally:
