@@ -96,7 +96,7 @@ class AITuneMixin:
         config: TuningConfig | Mapping[str, Any] | None = None,
         tune_after_calls: int | None = 1,
         component_backends: Sequence[str] | None = None,
-        compare_whole: bool = False,
+        compare_whole: bool | str | Sequence[str] = False,
         **config_fields: Any,
     ) -> Registration:
         """Find the targets, register them with the tuning core, and return the Registration.
@@ -114,7 +114,9 @@ class AITuneMixin:
         `compare_whole=True` (with `targets="blocks"`): the blocks serve, and each component that holds blocks is also
         measured whole, in fp32 with `component_backends`, against its blocks as they serve, once they serve a call;
         the report says where the whole would have been faster ("whole would be faster: ...") or that it was not. The
-        whole is never served: `targets="auto"` serves it.
+        whole is never served: `targets="auto"` serves it. `compare_whole=["unet"]` (component names, or one name)
+        measures those components only (each whole measurement is a build of its own); the others' blocks serve
+        as with "blocks".
 
         Raises (before anything is registered or patched):
             ConfigError: a bad `tune_after_calls`, `component_backends` or `TuningConfig` field; a `quality` budget
@@ -127,7 +129,7 @@ class AITuneMixin:
         # Every argument is checked before anything is registered or patched: a bad value leaves nothing behind.
         if self.__dict__.get("_aitune_state") is not None:
             raise UsageError("aitune is already enabled here; call disable_aitune() first to change its settings")
-        component_backends = _check_arguments(targets, tune_after_calls, component_backends, compare_whole)
+        component_backends, compared = _check_arguments(targets, tune_after_calls, component_backends, compare_whole)
         tuning_config = _tuning_config(config, backends, strategy, config_fields)
         kinds = output_kinds(self)
         if kinds is not None:
@@ -135,7 +137,7 @@ class AITuneMixin:
         auto = targets == "auto"
         found, registration = _register(
             self, targets, tuning_config, auto_backends=component_backends if auto else None,
-            compare_backends=component_backends if compare_whole else None,
+            compare_backends=component_backends if compared is not None else None, compared=compared,
         )  # fmt: skip
         options = dict(
             targets=targets,
@@ -356,16 +358,27 @@ _GENERATIVE_BACKENDS = frozenset({"inductor"})
 
 def _check_arguments(
     targets: Any, tune_after_calls: Any, component_backends: Any, compare_whole: Any = False
-) -> tuple[str, ...]:
+) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
     """Check `enable_aitune`'s own arguments (the config's fields are checked by `TuningConfig`); returns
-    `component_backends` as a tuple."""
-    if not isinstance(compare_whole, bool):
-        raise ConfigError(f"enable_aitune compare_whole must be True or False, got {compare_whole!r}")
-    if compare_whole and not (isinstance(targets, str) and targets == "blocks"):
+    `component_backends` as a tuple, and the components `compare_whole` names: () for every one that holds blocks,
+    None for none."""
+    if isinstance(compare_whole, str):
+        compare_whole = [compare_whole]
+    if not isinstance(compare_whole, bool) and not (
+        isinstance(compare_whole, Sequence)
+        and compare_whole
+        and all(isinstance(name, str) and name for name in compare_whole)
+    ):
         raise ConfigError(
-            f"enable_aitune compare_whole=True measures components against their blocks: it needs "
+            f"enable_aitune compare_whole must be True, False or component names (a non-empty list of str), "
+            f"got {compare_whole!r:.80}"
+        )
+    if compare_whole is not False and not (isinstance(targets, str) and targets == "blocks"):
+        raise ConfigError(
+            f"enable_aitune compare_whole={compare_whole!r:.40} measures components against their blocks: it needs "
             f"targets='blocks', got targets={targets!r:.60} ('auto' serves the whole where it wins)"
         )
+    compared = None if compare_whole is False else () if compare_whole is True else tuple(compare_whole)
     if tune_after_calls is not None and (
         not isinstance(tune_after_calls, int) or isinstance(tune_after_calls, bool) or tune_after_calls < 1
     ):
@@ -388,7 +401,7 @@ def _check_arguments(
             f"enable_aitune targets must be 'blocks', 'components', 'auto', a list of dotted module names or "
             f"a callable, got {type(targets).__name__}: {targets!r:.60}"
         )
-    return tuple(component_backends)
+    return tuple(component_backends), compared
 
 
 def _tuning_config(
@@ -411,13 +424,15 @@ def _register(
     *,
     auto_backends: tuple[str, ...] | None,
     compare_backends: tuple[str, ...] | None = None,
+    compared: tuple[str, ...] = (),
 ) -> tuple[list[FoundTarget], Registration]:
     """Find the targets of `obj` and register them, all or nothing, with the restrictions of offload hooks. Auto
     mode (`auto_backends` given, else None) registers whole components, each tried with those backends only;
-    `compare_backends` (blocks with `compare_whole=True`): `_register_compared`."""
+    `compare_backends` (blocks with `compare_whole`): `_register_compared`, for the components named in `compared`
+    (every one where empty)."""
     install_slot_locators()
     if compare_backends is not None:
-        return _register_compared(obj, config, compare_backends)
+        return _register_compared(obj, config, compare_backends, compared)
     found = find_targets(obj, "components" if auto_backends is not None else targets)
     registration = register(as_modules(found), config)
     try:
@@ -435,14 +450,23 @@ def _register(
 
 
 def _register_compared(
-    obj: Any, config: TuningConfig, backends: tuple[str, ...]
+    obj: Any, config: TuningConfig, backends: tuple[str, ...], names: tuple[str, ...] = ()
 ) -> tuple[list[FoundTarget], Registration]:
-    """`targets="blocks"` with `compare_whole=True`: every block a target, as with "blocks"; each component that holds
-    blocks registered too and kept whole over them (`Registration.descend(keep=True)`) only to be measured
-    (`Target.measure_only`), in fp32, with `backends`. A component whose weights move inside it (an offload hook) is
-    not measured: its blocks take its place, as in auto mode."""
+    """`targets="blocks"` with `compare_whole`: every block a target, as with "blocks"; each component that holds
+    blocks (of `names`, where given) registered too and kept whole over them (`Registration.descend(keep=True)`) only to
+    be measured (`Target.measure_only`), in fp32, with `backends`. A component whose weights move inside it (an offload
+    hook) is not measured: its blocks take its place, as in auto mode. A name that is no component holding blocks is a
+    `ConfigError` naming those that are, before anything is registered."""
     blocks = find_targets(obj, "blocks")
     held = {c.name: (c, inside) for c in find_targets(obj, "components") if (inside := _blocks_inside(c, blocks))}
+    unknown = [name for name in names if name not in held]
+    if unknown:
+        raise ConfigError(
+            f"enable_aitune compare_whole names {', '.join(map(repr, unknown))}, not a component that holds blocks "
+            f"here; valid: {', '.join(map(repr, held)) or 'none'}"
+        )
+    if names:
+        held = {name: held[name] for name in held if name in names}
     components = [component for component, _ in held.values()]
     taken = {id(b) for _, inside in held.values() for b in inside}
     loose = [b for b in blocks if id(b) not in taken]

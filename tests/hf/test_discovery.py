@@ -9,6 +9,7 @@ from diffusers import DiffusionPipeline
 from aitune_hf import AITuneModel
 from aitune_hf.hf.targets import as_modules, find_targets
 from aitune_hf.testing import minilm_path
+from tests.hf.conftest import unpatched
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,31 @@ def test_nested_selection_is_refused_at_enable(pipes, pipeline_folders) -> None:
         pipe.enable_aitune(["unet", "unet.mid_block"])
     assert pipe.aitune is None
     assert "forward" not in pipe.unet.__dict__
+
+
+def test_compare_whole_names_the_components_to_measure_and_refuses_others(pipeline_folders) -> None:
+    """`compare_whole=["unet"]`: the UNet is kept over its blocks to be measured (a measure-only target), the other
+    components' blocks are targets as with "blocks" and no other component is; a name that is no component holding
+    blocks, an empty list or another type is a `ConfigError` naming the value and what is valid, nothing patched."""
+    from aitune_hf import AITunePipeline
+    from aitune_hf.errors import ConfigError
+
+    pipe = AITunePipeline.from_pretrained(pipeline_folders["sd"])
+    with pytest.raises(ConfigError, match=r"names 'tokenizer', not a component that holds blocks here; valid: 'vae"):
+        pipe.enable_aitune("blocks", compare_whole=["unet", "tokenizer"])
+    for bad in ([], 3, [None]):
+        with pytest.raises(ConfigError, match="compare_whole must be True, False or component names"):
+            pipe.enable_aitune("blocks", compare_whole=bad)
+    assert pipe.aitune is None and unpatched(pipe.unet.modules()) and unpatched(pipe.text_encoder.modules())
+    registration = pipe.enable_aitune("blocks", compare_whole="unet", progress=False)
+    try:
+        blocks = {t.name for t in find_targets(pipe, "blocks")}
+        assert set(registration.targets) == blocks | {"unet"}
+        assert registration.targets["unet"].measure_only
+        assert not any(registration.targets[name].measure_only for name in blocks)
+    finally:
+        pipe.disable_aitune()
+    assert unpatched(pipe.unet.modules()) and unpatched(pipe.text_encoder.modules())
 
 
 # --------------------------------------------------------------------------------------------------------------
