@@ -84,7 +84,8 @@ def _deploy(name: str, bert: Path, cache: Path, inputs: dict[str, torch.Tensor],
     The class is built here, closing over what it needs (Ray ships it to the replicas by value)."""
     options = dict(OPTIONS)
 
-    @serve.deployment(num_replicas=replicas, ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1)
+    @serve.deployment(num_replicas=replicas, ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1,
+                      health_check_period_s=1)  # fmt: skip
     class Encoder:
         def __init__(self) -> None:
             from aitune_hf import AITuneModel
