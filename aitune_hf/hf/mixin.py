@@ -136,9 +136,8 @@ class AITuneMixin:
             check_budget(tuning_config.quality, kinds, f"this {type(self).__name__}")
         auto = targets == "auto"
         found, registration = _register(
-            self, targets, tuning_config, auto_backends=component_backends if auto else None,
-            compare_backends=component_backends if compared is not None else None, compared=compared,
-        )  # fmt: skip
+            self, targets, tuning_config, component_backends=component_backends, auto=auto, compared=compared
+        )
         options = dict(
             targets=targets,
             backends=backends,
@@ -422,23 +421,22 @@ def _register(
     targets: TargetSelection,
     config: TuningConfig,
     *,
-    auto_backends: tuple[str, ...] | None,
-    compare_backends: tuple[str, ...] | None = None,
-    compared: tuple[str, ...] = (),
+    component_backends: tuple[str, ...],
+    auto: bool = False,
+    compared: tuple[str, ...] | None = None,
 ) -> tuple[list[FoundTarget], Registration]:
-    """Find the targets of `obj` and register them, all or nothing, with the restrictions of offload hooks. Auto
-    mode (`auto_backends` given, else None) registers whole components, each tried with those backends only;
-    `compare_backends` (blocks with `compare_whole`): `_register_compared`, for the components named in `compared`
-    (every one where empty)."""
+    """Find the targets of `obj` and register them, all or nothing, with the restrictions of offload hooks. `auto`
+    registers whole components, each tried with `component_backends` only; `compared` (blocks with `compare_whole`:
+    the components it names, () for every one) goes to `_register_compared`, which measures them with those."""
     install_slot_locators()
-    if compare_backends is not None:
-        return _register_compared(obj, config, compare_backends, compared)
-    found = find_targets(obj, "components" if auto_backends is not None else targets)
+    if compared is not None:
+        return _register_compared(obj, config, component_backends, compared)
+    found = find_targets(obj, "components" if auto else targets)
     registration = register(as_modules(found), config)
     try:
         _apply_weight_motion(registration, found)
-        for component in found if auto_backends is not None else ():
-            allowed = set(auto_backends) | (_GENERATIVE_BACKENDS if generates(component.module) else set())
+        for component in found if auto else ():
+            allowed = set(component_backends) | (_GENERATIVE_BACKENDS if generates(component.module) else set())
             reason = f"auto mode tries whole components with {', '.join(sorted(allowed))} only"
             registration.targets[component.name].restrict(
                 lambda backend, allowed=allowed: backend.name in allowed, reason
@@ -476,8 +474,7 @@ def _register_compared(
         _apply_weight_motion(registration, [*components, *loose])
         allowed = set(backends)
         reason = f"compare_whole measures whole components in fp32 with {', '.join(sorted(allowed))} only"
-        for component in components:
-            inside = held[component.name][1]
+        for component, inside in held.values():
             target = registration.targets[component.name]
             keep = target.pinned_reason is None
             if keep:
