@@ -8,7 +8,8 @@ without its package:
 
 - **The model**: the whole `...ForCausalLM` traced by `torch.export` through a wrapper whose inputs are the token ids,
   the 2D attention mask, the positions and each layer's past keys and values (a `DynamicCache` made of them inside),
-  and whose outputs are the logits, each layer's new keys and values (this call's rows) and its present ones;
+  and whose outputs are the logits, every layer's new keys and values (this call's rows) stacked in one tensor, and
+  each layer's present ones;
   converted by OpenVINO's PyTorch frontend, the past inputs and present outputs turned into state variables (the KV
   cache kept inside the engine, `apply_make_stateful_transformation`), each starting empty for the call's batch.
 - **Never stale**: the Hugging Face cache the model was given stays the source of truth. After every step this call's
@@ -80,7 +81,7 @@ class OpenVinoDecoderBackend(Backend):
 
         from aitune_hf.backends.openvino import OpenVinoBackend
 
-        return {**OpenVinoBackend.versions(), "transformers": transformers.__version__, "aitune-hf decoder build": "3"}
+        return {**OpenVinoBackend.versions(), "transformers": transformers.__version__, "aitune-hf decoder build": "4"}
 
     def unavailable_reason(self, devices: frozenset[torch.device]) -> str | None:
         import importlib.util
@@ -223,7 +224,7 @@ def _compile(
         raise CandidateUnavailable(f"openvino_decoder could not trace or convert this model: {error}") from None
     unmark_scalar_conversions(model)  # the rotary embeddings fused (RoPE layers), as in the model read back from disk
     inputs = ["input_ids", "attention_mask", "position_ids", *(f"past.{i}" for i in range(2 * layers))]
-    outputs = ["logits", *(f"new.{i}" for i in range(2 * layers)), *(f"present.{i}" for i in range(2 * layers))]
+    outputs = ["logits", "new", *(f"present.{i}" for i in range(2 * layers))]
     if len(model.inputs) != len(inputs) or len(model.outputs) != len(outputs):
         raise CandidateUnavailable("openvino_decoder: the converted model's inputs or outputs are not the wrapper's")
     for port, name in (*zip(model.inputs, inputs, strict=True), *zip(model.outputs, outputs, strict=True)):
@@ -265,7 +266,7 @@ def _compile(
         run_elsewhere_first(model, properties, feeds, f"OpenVINO's {precision} stateful model")
     compiled = _core().compile_model(model, "CPU", properties)
     _check_precision(compiled, _HINTS[precision])
-    served = outputs[: 1 + 2 * layers]  # what `_Stepper` reads, by index
+    served = outputs[:2]  # what `_Stepper` reads, by index
     if [port.get_any_name() for port in compiled.outputs] != served:
         raise CandidateUnavailable("openvino_decoder: the stateful model's outputs are not the logits and the new rows")
     for name in ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION"):
@@ -279,8 +280,9 @@ def _compile(
 
 
 class _Step(torch.nn.Module):
-    """The traced step: a `DynamicCache` made of the past tensors, the model called on it, this call's rows and the
-    present tensors read back."""
+    """The traced step: a `DynamicCache` made of the past tensors, the model called on it, this call's rows (stacked
+    in one output: one output per layer's keys and values cost the engine 4% of a 4-layer, 256-wide Llama's decode
+    step, 0.358 against 0.344 ms, and 1% at 1024 wide) and the present tensors read back."""
 
     def __init__(self, model: torch.nn.Module, layers: int, keep: int) -> None:
         super().__init__()
@@ -313,7 +315,7 @@ class _Step(torch.nn.Module):
             logits_to_keep=self.keep,
         )
         present = [t for layer in cache.layers[: self.layers] for t in (layer.keys, layer.values)]
-        return (out.logits, *new, *present)
+        return (out.logits, torch.stack(new), *present)
 
 
 def _recording(update: Callable[..., Any], new: list[torch.Tensor]) -> Callable[..., Any]:
@@ -372,11 +374,10 @@ class _Stepper:
         }
         request.infer(feeds, share_inputs=True)
         output = request.get_output_tensor
+        # A view of the request's buffer: `update` concatenates its rows into new tensors before the next step.
+        rows = torch.from_numpy(output(1).data)
         for i in range(self._layers):
-            # Views of the request's buffers: `update` concatenates them into new tensors before the next step.
-            keys = torch.from_numpy(output(1 + 2 * i).data)
-            values = torch.from_numpy(output(2 + 2 * i).data)
-            cache.update(keys, values, i)
+            cache.update(rows[2 * i], rows[2 * i + 1], i)
         local.seen = (weakref.ref(cache), past + length, _stamp(cache))
         return self._output(logits=torch.from_numpy(output(0).data.copy()), cache=cache)
 
