@@ -56,10 +56,13 @@ class OpenVinoDecoderBackend(Backend):
     bakes_weights = True  # OpenVINO holds its own copy of the weights
     # Not `polymorphic`: the core tunes calls that hold a cache one signature at a time (their sizes are not all in
     # the signature), and its one-time check of a new shape would run eager and the build on the same cache.
-    # As slow as Inductor's compile: torch.export of the whole model, its decompositions and OpenVINO's conversion take
-    # 8-15 s for a 4-layer model. Were it a cheap build, its clear win over eager would skip Inductor, which serves a
-    # small model's decode step faster (256 wide: 1.67x eager against 1.24x, benchmarks/results/generation.md).
-    build_cost = "slow"
+    # A cheap build: torch.export of the whole model, its decompositions and OpenVINO's conversion take 7-10 s for a
+    # 4-layer model, where Inductor compiles the prefill and the decode step in 20-30 s. Built first, its clear win over
+    # eager skips Inductor: `generate()`'s one-off 8-9 s against 28-41 s, the decode step OpenVINO's on 1024-wide models
+    # either way, and on 256-wide ones level with Inductor's (benchmarks/results/generation_cheap.md). (It was a slow
+    # build while Inductor served small models' decode steps faster: 1.67x eager against 1.24x, before OpenVINO fused
+    # the attention with the cache and the rotary embeddings.)
+    build_cost = "cheap"
     builds_privately = True  # it traces a private copy (the live model keeps serving other threads)
 
     def __init__(self, num_threads: int | None = None, precision: str = "fp32") -> None:
