@@ -60,6 +60,9 @@ class BuiltBackend:
     #: Made from an earlier build's work in this process (`BuildContext.sibling`, `BuildContext.state`) with this
     #: module's weights put in, not built afresh: if it fails its check, the core builds again without reuse.
     reused: bool = False
+    #: With `reused`: the earlier build itself, made from this very module state and these weights (verified), which a
+    #: fresh build would make again: where it fails its check, the core does not build again.
+    identical: bool = False
     #: Begins a call on the backend's own threads (`Started`); None: the backend computes on the caller's thread. The
     #: core starts a route's call this way before it checks the route's guard, so the check costs the caller no time,
     #: and takes the output only where the guard holds (else it cancels the call): `Target.call`, and

@@ -33,8 +33,28 @@ class TensorSpec(NamedTuple):
 
 
 def _spec_text(dims: Sequence[Any], dtype: torch.dtype, device: torch.device) -> str:
-    """`float32[2x8x384]@cpu`: a tensor spec as reports show it (a dim may be a range such as "8..121")."""
-    return f"{str(dtype).removeprefix('torch.')}[{'x'.join(str(d) for d in dims) or 'scalar'}]@{device}"
+    """`float32[2x8x384]@cpu`: a tensor spec as reports show it (a dim may be a range such as "8..121", or `*`: left
+    out of the signature, `register_object_sized`)."""
+    text = "x".join("*" if d == FREE else str(d) for d in dims) or "scalar"
+    return f"{str(dtype).removeprefix('torch.')}[{text}]@{device}"
+
+
+#: A size left out of a signature (`register_object_sized`): it reads `*` in reports.
+FREE = -1
+#: Keyword arguments whose size in one dimension follows an object the call holds, by the layer that knows them
+#: (`register_object_sized`, from `aitune_hf.hf`): name -> dimension.
+_OBJECT_SIZED: dict[str, int] = {}
+
+
+def register_object_sized(name: str, dim: int) -> None:
+    """In a call that holds an object (a leaf neither a tensor nor a plain value: a KV cache), leave dimension `dim` of
+    the keyword argument `name` out of the signature. An object's own sizes are not in a signature (only its type is);
+    a tensor sized by it (Transformers' 2D `attention_mask`, as long as the cache plus this call's tokens) would
+    otherwise make every step of a `generate()` over a padded batch a signature of its own. Only backends that accept
+    objects serve such calls (`Backend.accepts_objects`): each takes any size (Dynamo's guards recompile, OpenVINO's
+    shapes are dynamic), as it takes any length of the cache itself. Registered at import by the layer that knows the
+    framework, before any call is routed."""
+    _OBJECT_SIZED[name] = dim
 
 
 #: Autocast device types a call may run under (`torch.is_autocast_enabled(device_type)`).
@@ -214,7 +234,7 @@ def describe_family(signatures: Sequence[InputSignature]) -> str:
         dims = []
         for dim in range(len(spec.shape)):
             sizes = {other[index].shape[dim] for other in specs}
-            dims.append(str(spec.shape[dim]) if len(sizes) == 1 else f"{min(sizes)}..{max(sizes)}")
+            dims.append(spec.shape[dim] if len(sizes) == 1 else f"{min(sizes)}..{max(sizes)}")
         parts.append(_spec_text(dims, spec.dtype, spec.device))
     text = ", ".join(parts)
     rest = first.short().partition(" | ")[2]
@@ -263,13 +283,31 @@ def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> InputSignatur
     """Compute the signature of one call (every routed call does: this is on the hot path)."""
     leaves: list[Any] = []
     structure = (_structure(args, leaves), _structure(kwargs, leaves))
+    keys = [_leaf_key(leaf) for leaf in leaves]
+    if _OBJECT_SIZED and not _OBJECT_SIZED.keys().isdisjoint(kwargs) and any(type(k) is _OpaqueLeaf for k in keys):
+        _free_object_sized(kwargs, leaves, keys)
     return InputSignature(
         structure=structure,
-        leaves=tuple(_leaf_key(leaf) for leaf in leaves),
+        leaves=tuple(keys),
         grad_enabled=torch.is_grad_enabled(),
         inference_mode=torch.is_inference_mode_enabled(),
         context=call_context(),
     )
+
+
+def _free_object_sized(kwargs: dict[str, Any], leaves: list[Any], keys: list[Any]) -> None:
+    """`register_object_sized`: each registered keyword argument that is a tensor leaf of this call has its registered
+    dimension set to `FREE` in its spec (`keys`, in place)."""
+    for name, dim in _OBJECT_SIZED.items():
+        value = kwargs.get(name)
+        if not isinstance(value, torch.Tensor) or not -value.dim() <= dim < value.dim():
+            continue
+        index = next((i for i, leaf in enumerate(leaves) if leaf is value), None)
+        if index is not None:
+            spec = keys[index]
+            shape = list(spec.shape)
+            shape[dim] = FREE
+            keys[index] = TensorSpec(tuple(shape), spec.dtype, spec.device)
 
 
 def _structure(value: Any, leaves: list[Any]) -> Any:

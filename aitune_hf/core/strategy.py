@@ -143,6 +143,7 @@ class TuningJob:
         self.leader: tuple[Backend, CandidateResult, BuiltBackend] | None = None
         #: Per candidate, the seconds each recorded call took in its check (`estimate`).
         self._check_seconds: dict[str, list[float]] = {}
+        self._identical: set[str] = set()  # candidates whose build was an earlier build itself (`try_backend`)
         #: What the candidates are timed against (`time`'s "eager"): `forward`, or for a target kept whole over its
         #: blocks its forward with the blocks served (`Target.inner`); references and builds use `forward`.
         self.baseline = baseline if baseline is not None else forward
@@ -288,9 +289,10 @@ class TuningJob:
     def try_backend(self, backend: Backend) -> tuple[CandidateResult, BuiltBackend | None]:
         """Build `backend` and check it on every sample; never raises for a failing backend. A reduced-precision
         candidate is checked by its relative error against the per-block budget (`precision.block_budget`). A build
-        made from an identical module's work (`BuiltBackend.reused`) that fails its check is built again afresh."""
+        made from an identical module's work (`BuiltBackend.reused`) that fails its check is built again afresh (not the
+        earlier build itself, `BuiltBackend.identical`: a fresh one would be the same)."""
         result, built = self._try_backend(backend)
-        if built is None and result.reused:
+        if built is None and result.reused and result.backend not in self._identical:
             logger.debug("%s: a build reusing an identical module's work failed (%s); building afresh",
                          result.backend, result.error)  # fmt: skip
             candidates = self.report.candidates
@@ -322,6 +324,8 @@ class TuningJob:
                 else:
                     built = backend.build(self.module, self.forward, self.fresh_calls())
             result.reused, result.note = built.reused, built.note
+            if built.reused and built.identical:
+                self._identical.add(result.backend)
             worst = worst_rel = 0.0
             seconds = self._check_seconds[result.backend] = []
             with checking, self.mode():

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from aitune_hf.backends.base import Backend, BuiltBackend, Call, register_backend
+from aitune_hf.core.keys import state_fingerprint
 from aitune_hf.core.weights import WeightValues
 from aitune_hf.core.weights import _stamp as weight_stamp
 from aitune_hf.errors import CandidateUnavailable, UserInputError
@@ -126,12 +127,13 @@ class OpenVinoDecoderBackend(Backend):
         from aitune_hf.backends.onnx.export import private_twin
 
         # One engine serves every signature of the model (a prefill and a decode step convert the same model): a
-        # build of another signature reuses it where the weights are those it was made from (the core checks it as
-        # any build, and builds afresh, without reuse, if that check fails: `BuildContext.state`).
+        # build of another signature reuses it where the module's state and weights are those it was made from
+        # (`_MadeFrom`). The core checks it as any build; being the engine a fresh build would make, it is not built
+        # again where that check fails (`BuiltBackend.identical`: a left-padded prefill, whose padded rows differ).
         key = (keep, self.precision, self.num_threads, signature)
         made = _MADE.get(module, {}).get(key) if current_build().state is not None else None
-        if made is not None and made[0].holds():
-            return BuiltBackend(fn=made[1], bakes_weights=True, reused=True)
+        if made is not None and made[0].holds():  # the engine itself: a fresh build would make the same one
+            return BuiltBackend(fn=made[1], bakes_weights=True, reused=True, identical=True)
         weights = _MadeFrom(module)  # before the private copy is taken: the values the engine will hold
         twin, twin_forward = private_twin(module, forward)
         with torch.no_grad():  # on a copy of the sample: the run must not grow the sample's cache
@@ -155,12 +157,15 @@ _MADE_LOCK = threading.Lock()
 
 
 class _MadeFrom:
-    """The weights an engine was made from: the full weight check's values (`core.weights.WeightValues`: each floating
-    tensor's L2 norm, the others exactly) and each tensor's version and storage (`core.weights._stamp`). `holds()`:
-    the engine holds the module's weights still (up to an edit that keeps every norm, the full check's own blind spot,
-    docs/guarantees.md)."""
+    """What an engine was made from: the module's state as guards see it (`core.keys.state_fingerprint`: structure,
+    plain values; a LoRA layer added changes it), and its weights: the full weight check's values
+    (`core.weights.WeightValues`: each floating tensor's L2 norm, the others exactly) and each tensor's version and
+    storage (`core.weights._stamp`). `holds()`: a fresh build would make the same engine (up to an edit that keeps
+    every norm, the full check's own blind spot, docs/guarantees.md)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
+        self._module = weakref.ref(module)
+        self._state = state_fingerprint(module)
         self._values = WeightValues(module)
         self._stamps = self._now()
 
@@ -168,7 +173,10 @@ class _MadeFrom:
         return [weight_stamp(table[key]) for _, table, key in self._values.places]
 
     def holds(self) -> bool:
-        return self._now() == self._stamps and self._values.holds()
+        module = self._module()
+        if module is None or self._now() != self._stamps or not self._values.holds():
+            return False
+        return state_fingerprint(module) == self._state
 
 
 def _arguments(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

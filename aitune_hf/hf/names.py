@@ -7,10 +7,14 @@
 - Hook attributes (`core.guards.register_hook_attributes`): Accelerate's `_hf_hook` and the forward it saved
   (`_old_forward`), Diffusers' `_diffusers_hook` registry. On the target they are plumbing around the router (offload
   re-applies them every call); inside it they are compared by type, not identity.
+- Arguments sized by the cache (`core.signature.register_object_sized`): a 2D attention mask is as long as the KV
+  cache plus the call's tokens; in a call that holds a cache its length is left out of the signature, as the cache's
+  is, so that every decode step of a padded batch is one signature, not one per length.
 """
 
 from aitune_hf.core.guards import register_hook_attributes
 from aitune_hf.core.keys import register_incidental
+from aitune_hf.core.signature import register_object_sized
 
 #: Transformers' and Diffusers' config attributes that are not part of what a model computes.
 INCIDENTAL = (
@@ -23,6 +27,10 @@ INCIDENTAL = (
 )
 
 
+#: Transformers' forward arguments sized by the KV cache the call holds: name -> the dimension (the cache's length plus
+#: the call's tokens).
+OBJECT_SIZED = {"attention_mask": -1, "decoder_attention_mask": -1}
+
 #: Accelerate's and Diffusers' per-module hook attributes (`hf/hooks.py` finds the forward slots beneath them).
 HOOKS = ("_old_forward", "_hf_hook", "_diffusers_hook")
 
@@ -31,3 +39,5 @@ def install_names() -> None:
     """Register these names with the core (idempotent)."""
     register_incidental(*INCIDENTAL)
     register_hook_attributes(*HOOKS)
+    for name, dim in OBJECT_SIZED.items():
+        register_object_sized(name, dim)

@@ -18,6 +18,7 @@ from aitune_hf.backends import OnnxRuntimeBackend
 from aitune_hf.backends.base import Backend, BuiltBackend, Call
 from aitune_hf.core import signature_of
 from aitune_hf.core.report import ModuleReport, TuningReport
+from aitune_hf.core.signature import register_object_sized
 from aitune_hf.core.strategy_base import build_cost, cheap_first
 from aitune_hf.core.timing import Stopwatch, clock
 from aitune_hf.errors import ConfigError
@@ -71,6 +72,24 @@ def test_recording_groups_calls_by_signature_and_runs_eager() -> None:
         sample = next(iter(target.samples.values()))[0]
         assert sample.kwargs["extras"]["shift"] is not kwargs["extras"]["shift"]  # captured copies
         assert signature_of(args, kwargs) != signature_of(args, {**kwargs, "gain": 3.0})
+
+
+def test_an_object_sized_argument_leaves_its_size_out_only_in_calls_that_hold_an_object() -> None:
+    """`register_object_sized` (Transformers' 2D attention mask, as long as the KV cache plus the call's tokens): in a
+    call that holds an object its registered dimension is out of the signature, as the object's own sizes are; in a
+    call of tensors only every size counts, and an argument of another rank keeps its sizes."""
+
+    class Held:  # an object leaf, as a KV cache is
+        pass
+
+    register_object_sized("sized_by_the_object", -1)
+    x = torch.zeros(2, 3)
+    short, long = torch.zeros(2, 5), torch.zeros(2, 9)
+    held = [signature_of((x,), {"cache": Held(), "sized_by_the_object": mask}) for mask in (short, long)]
+    assert held[0] == held[1] and "float32[2x*]@cpu" in held[0].short()
+    assert held[0] != signature_of((x,), {"cache": Held(), "sized_by_the_object": torch.zeros(3, 5)})  # the batch
+    plain = [signature_of((x,), {"sized_by_the_object": mask}) for mask in (short, long)]
+    assert plain[0] != plain[1] and "float32[2x5]@cpu" in plain[0].short()
 
 
 def test_keyword_only_calls_are_captured() -> None:

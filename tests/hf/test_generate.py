@@ -462,15 +462,17 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
     A static cache makes it unavailable, with the reason, and eager serves.
     The engine's form is asserted too: the attention fused with the cache, the rotary embeddings fused, the cache kept
     in f32.
-    (A left-padded batch passes a 2D mask that grows every step: each step is a signature of its own, eager until
-    tuned; the recipe test above compares such a batch, and tuning each of its steps here cost the suite 30 s.)"""
+    A left-padded batch: its 2D mask grows every step, yet its decode steps are one signature (the mask's length is the
+    cache's plus the call's, left out of the signature as the cache's is: `core.signature.register_object_sized`),
+    tuned once and served from the next call on. Its prefill runs eager: the engine's keys and values at the padded
+    positions (never attended to) differ from eager's, and the check compares the whole cache."""
     pytest.importorskip("openvino")
     model = load(lm_folders, "llama")
     # retune=False: a changed model runs eager from then on (no rebuild of the engine after the LoRA adapter below);
-    # max_signatures=2: the prefill and the decode step; beam search's shapes (4 rows) are counted, not recorded, so
-    # the worker builds no engine for them while the test goes on (13 s)
+    # max_signatures=4: the prefill and the decode step, plain and left-padded; beam search's shapes (4 rows) are
+    # counted, not recorded, so the worker builds no engine for them while the test goes on (13 s)
     registration = model.enable_aitune(
-        "components", backends=["openvino_decoder"], retune=False, max_signatures=2, **QUICK
+        "components", backends=["openvino_decoder"], retune=False, max_signatures=4, **QUICK
     )
     generator = torch.Generator().manual_seed(3)
     plain = {"input_ids": torch.randint(3, 128, (2, 5), generator=generator)}
@@ -492,6 +494,19 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
             assert kinds["ScaledDotProductAttention"] == layers and kinds["Softmax"] == 0, kinds
             assert kinds["RoPE"] == 2 * layers, kinds  # the rotary embeddings fused (`unmark_scalar_conversions`)
             assert engine._compiled.get_property("KV_CACHE_PRECISION").to_string() == "f32"
+        # A left-padded batch, as a tokenizer with padding_side="left" gives: recorded, tuned on the worker (the model
+        # is all tuned: no caller's call tunes), then its decode steps served.
+        padded_ids = torch.randint(3, 128, (2, 7), generator=generator)
+        padded_ids[1, :3] = 0
+        padded = {"input_ids": padded_ids, "attention_mask": (padded_ids != 0).long()}
+        for call in range(2):
+            generate_beside_eager(model, f"left-padded batch, call {call + 1}", padded)
+        assert registration.wait(60), registration.report()
+        before = target.calls_served["openvino_decoder"]
+        generate_beside_eager(model, "left-padded batch, call 3", padded)
+        assert target.calls_served["openvino_decoder"] == before + GENERATE["max_new_tokens"] - 1, registration.report()
+        masked = [signature for signature in target._routes if "x*]" in signature.short()]
+        assert len(masked) == 2, [str(s) for s in target._routes]  # its prefill (eager) and its decode step
         continued = model.generate(input_ids=out.sequences, **GENERATE, cache=out.cache)
         with model.aitune.bypass():
             want = model.generate(input_ids=ref.sequences, **GENERATE, cache=ref.cache)
