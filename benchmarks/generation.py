@@ -16,6 +16,9 @@ Models: built from `LlamaConfig` / `Qwen3Config` / `BartConfig` with random weig
 with `save_pretrained` and loaded with the real `AutoModelForCausalLM` / `AutoModelForSeq2SeqLM.from_pretrained`
 (`AITuneModel.from_pretrained(..., auto_class=...)` for aitune_hf). The default run: llama and qwen3.
 Call: batch 1, a 16-token prompt, `generate(do_sample=False, max_new_tokens=N, min_new_tokens=N)`, N = 64.
+`--batch B --padding P`: B prompts, every one after the first left-padded by P pad ids (their attention mask 0 there),
+as a tokenizer with `padding_side="left"` gives a batch of prompts of different lengths; decode tok/s then counts
+steps (each makes a token for every row), and every row's tokens are compared.
 
 Variants (each in its own worker process, with its own empty Inductor cache and Dynamo state, so that no
 variant's compiles or recompile counts leak into another's; the decoder layers of a model share one code
@@ -264,10 +267,16 @@ def build_model(kind: str, folder: Path, layers: int, size: str = "tiny") -> Pat
     return folder
 
 
-def prompt_ids() -> Any:
+def prompt_ids(batch: int = 1, padding: int = 0) -> tuple[Any, Any]:
+    """The prompts (`batch` rows of `PROMPT_TOKENS` ids, every row after the first left-padded by `padding` pad ids)
+    and their attention mask."""
     import torch
 
-    return torch.randint(3, COMMON["vocab_size"], (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, COMMON["vocab_size"], (batch, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+    ids[1:, :padding] = COMMON["pad_token_id"]
+    mask = ids.new_ones(ids.shape)
+    mask[1:, :padding] = 0
+    return ids, mask
 
 
 # -- worker (one process per variant) ---------------------------------------------------------------------------
@@ -310,14 +319,15 @@ def _kv_cache_precision(model: Any) -> str | None:
 class Worker:
     """One variant's model: prepared once, then one timed (1-token, N-token) pair per round."""
 
-    def __init__(self, variant: Variant, folder: Path, new_tokens: int, kind: str, threads: int) -> None:
+    def __init__(
+        self, variant: Variant, folder: Path, new_tokens: int, kind: str, threads: int, batch: int, padding: int
+    ) -> None:
         self.variant = variant
         self.folder = folder
         self.new_tokens = new_tokens
         self.kind = kind
         self.threads = threads
-        self.ids = prompt_ids()
-        self.mask = self.ids.new_ones(self.ids.shape)
+        self.ids, self.mask = prompt_ids(batch, padding)
 
     def generate(self, n: int) -> Any:
         return self.model.generate(
@@ -414,7 +424,7 @@ class Worker:
                 output_scores=True,
                 return_dict_in_generate=True,
             )
-            info["min_top2_gap"] = min(float(s[0].topk(2).values.diff().abs()) for s in out.scores)
+            info["min_top2_gap"] = min(float(s.topk(2).values.diff().abs().min()) for s in out.scores)
         return info
 
     def prepare_optimum(self, optimum_class: str, info: dict[str, Any]) -> dict[str, Any]:
@@ -449,8 +459,8 @@ class Worker:
         t1, _ = self.timed(1)
         tn, out = self.timed(self.new_tokens)
         new = (
-            out[0, 1:] if MODELS[self.kind][2] == "AutoModelForSeq2SeqLM" else out[0, PROMPT_TOKENS:]
-        )  # after the start
+            out[:, 1:] if MODELS[self.kind][2] == "AutoModelForSeq2SeqLM" else out[:, PROMPT_TOKENS:]
+        )  # after the start, every row
         return {"t1": t1, "tn": tn, "tokens": new.tolist()}
 
 
@@ -464,7 +474,9 @@ def worker_main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
-    worker = Worker(VARIANTS[args.worker], args.folder, args.new_tokens, args.kind, args.threads)
+    worker = Worker(
+        VARIANTS[args.worker], args.folder, args.new_tokens, args.kind, args.threads, args.batch, args.padding
+    )
     try:
         info = worker.prepare()
     except Exception as error:  # a variant that fails is a finding for the table
@@ -504,6 +516,7 @@ class Process:
         python = args.optimum_python if VARIANTS[variant].optimum else sys.executable
         command = [python, __file__, "--worker", variant, "--kind", kind, "--folder", str(folder)]
         command += ["--threads", str(args.threads), "--new-tokens", str(args.new_tokens), "--cpu", str(args.cpu)]
+        command += ["--batch", str(args.batch), "--padding", str(args.padding)]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         if VARIANTS[variant].optimum:  # its venv has torch and optimum-intel; aitune_hf (the timer) from this checkout
             env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
@@ -750,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of each model")
     parser.add_argument("--size", choices=list(SIZES), default="tiny", help="the models' widths (SIZES)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    parser.add_argument("--batch", type=int, default=1, help="prompts per generate() call")
+    parser.add_argument("--padding", type=int, default=0, help="pad ids left of every prompt after the first")
     parser.add_argument("--cpu", type=int, help="core every worker pins itself to for timing (-1: no pinning)")
     parser.add_argument("--out", type=Path, default=RESULTS / "generation.md")
     parser.add_argument("--quick", action="store_true", help="smoke run: llama, 16 new tokens, 2 rounds")
@@ -790,7 +805,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "rounds": args.rounds,
-        "call": f"batch 1, prompt {PROMPT_TOKENS} tokens, greedy, {args.new_tokens} new tokens",
+        "call": f"batch {args.batch}, prompt {PROMPT_TOKENS} tokens"
+        + (f" (rows after the first left-padded by {args.padding})" if args.padding else "")
+        + f", greedy, {args.new_tokens} new tokens",
         "models": f"{args.layers} layers, "
         + ", ".join(f"{k} {v}" for k, v in {**COMMON, **SIZES[args.size]}.items() if "token_id" not in k),
     }
