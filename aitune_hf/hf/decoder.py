@@ -132,7 +132,7 @@ class OpenVinoDecoderBackend(Backend):
         # again where that check fails (`BuiltBackend.identical`: a left-padded prefill, whose padded rows differ).
         key = (keep, self.precision, self.num_threads, signature)
         made = _MADE.get(module, {}).get(key) if current_build().state is not None else None
-        if made is not None and made[0].holds():  # the engine itself: a fresh build would make the same one
+        if made is not None and made[0].holds(module):  # the engine itself: a fresh build would make the same one
             return BuiltBackend(fn=made[1], bakes_weights=True, reused=True, identical=True)
         weights = _MadeFrom(module)  # before the private copy is taken: the values the engine will hold
         twin, twin_forward = private_twin(module, forward)
@@ -160,11 +160,10 @@ class _MadeFrom:
     """What an engine was made from: the module's state as guards see it (`core.keys.state_fingerprint`: structure,
     plain values; a LoRA layer added changes it), and its weights: the full weight check's values
     (`core.weights.WeightValues`: each floating tensor's L2 norm, the others exactly) and each tensor's version and
-    storage (`core.weights._stamp`). `holds()`: a fresh build would make the same engine (up to an edit that keeps
+    storage (`core.weights._stamp`). `holds(module)`: a fresh build would make the same engine (up to an edit that keeps
     every norm, the full check's own blind spot, docs/guarantees.md)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self._module = weakref.ref(module)
         self._state = state_fingerprint(module)
         self._values = WeightValues(module)
         self._stamps = self._now()
@@ -172,9 +171,9 @@ class _MadeFrom:
     def _now(self) -> list[tuple[int | None, int]]:
         return [weight_stamp(table[key]) for _, table, key in self._values.places]
 
-    def holds(self) -> bool:
-        module = self._module()
-        if module is None or self._now() != self._stamps or not self._values.holds():
+    def holds(self, module: torch.nn.Module) -> bool:
+        """For `module`, the one it was made from (`_MADE`'s key)."""
+        if self._now() != self._stamps or not self._values.holds():
             return False
         return state_fingerprint(module) == self._state
 

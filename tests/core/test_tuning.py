@@ -77,7 +77,7 @@ def test_recording_groups_calls_by_signature_and_runs_eager() -> None:
 def test_an_object_sized_argument_leaves_its_size_out_only_in_calls_that_hold_an_object() -> None:
     """`register_object_sized` (Transformers' 2D attention mask, as long as the KV cache plus the call's tokens): in a
     call that holds an object its registered dimension is out of the signature, as the object's own sizes are; in a
-    call of tensors only every size counts, and an argument of another rank keeps its sizes."""
+    call of tensors only every size counts, and its other dimensions (the batch) count either way."""
 
     class Held:  # an object leaf, as a KV cache is
         pass
