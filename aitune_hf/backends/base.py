@@ -21,7 +21,7 @@ import pickle
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -191,10 +191,16 @@ class Backend(abc.ABC):
         """Why this backend cannot run on `devices`, or None when it can."""
         return None
 
-    def cannot_win(self, timed: Sequence[tuple[str, str, float | None]]) -> str | None:
+    def cannot_win(
+        self,
+        timed: Sequence[tuple[str, str, float | None]],
+        elsewhere: Mapping[str, Sequence[tuple[str, str, float | None]]] | None = None,
+    ) -> str | None:
         """Why this candidate is not worth building for a target where `timed` was measured (each candidate timed there:
         its `describe()`, precision and speed-up over eager), or None: an evidence rule, asked by the search after a
-        first plan (`core/refine.py`) before it builds this candidate; the report keeps the reason. Default: None."""
+        first plan (`core/refine.py`) before it builds this candidate; the report keeps the reason. `elsewhere`: what
+        the targets of the same registration searched before this one timed (by target name, in the order they were
+        timed; `core.strategy.KindEvidence`). Default: None."""
         return None
 
     #: Modules a build of this backend imports in the build process (`run_in_build_process`), imported there when it

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,7 +186,11 @@ class OnnxRuntimeBackend(Backend):
         """The fused-kernel variant of a plain build (`kernels="fused"`), same options and precision."""
         return [self._variant(kernels="fused")] if self.kernels == "default" else []
 
-    def cannot_win(self, timed: Sequence[tuple[str, str, float | None]]) -> str | None:
+    def cannot_win(
+        self,
+        timed: Sequence[tuple[str, str, float | None]],
+        elsewhere: Mapping[str, Sequence[tuple[str, str, float | None]]] | None = None,
+    ) -> str | None:
         """The int8 variant, where OpenVINO's int8 was timed on the same target: ONNX Runtime's int8 (dynamic
         quantization: MatMulInteger with the activations quantized per call, the rest in fp32) was no faster than
         OpenVINO's int8 on any workload measured on this project's CPUs, and its build is the slowest of the cheap ones

@@ -11,7 +11,7 @@ import io
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,66 @@ class OpenVinoBackend(Backend):
     def variants(self) -> list[Backend]:
         """With no door asked for, the other door (`DOORS`): a candidate of its own, in every precision."""
         return [] if self.door is not None else [self._with(self.precision, door) for door in DOORS[1:]]
+
+    def cannot_win(
+        self,
+        timed: Sequence[tuple[str, str, float | None]],
+        elsewhere: Mapping[str, Sequence[tuple[str, str, float | None]]] | None = None,
+    ) -> str | None:
+        """Evidence rules for the torch.export door, the variant (`variants()`; the ONNX door is built first and never
+        skipped). The doors give one model two graphs: what one wins by (an attention fused, fewer layout steps) it wins
+        in every precision, and on the other blocks of the same model. So the torch.export door is not built:
+        - in one precision, where the ONNX door was timed in it on this target, and in another precision the doors were
+          both timed here and this door was not ahead (by more than `DOOR_MARGIN`);
+        - anywhere, once both doors were timed in one precision on `DOOR_EVIDENCE` other targets of the same model
+          part (`elsewhere`) and this door was ahead on none of the targets that timed both (one where it was keeps it
+          built).
+        Measured (AMD EPYC, AVX512-BF16; benchmarks/results/anytime_amd.md): SD small's blocks searched the torch.export
+        door for 38.7-45.8 s in bf16, and it won on the CLIP text encoder's layer only; the whole MiniLM's doors were
+        level in bf16 (3.80x, 3.84x), and its int8 was then built through both for 6.7 s more."""
+        if self.through == DOORS[0]:
+            return None
+        for precision, mine, theirs in self._door_pairs(timed):
+            if precision == self.precision or mine > theirs * (1 + self.DOOR_MARGIN):
+                continue
+            onnx = self._with(self.precision, None).describe()
+            done = next((speedup for name, _, speedup in timed if name == onnx and speedup is not None), None)
+            if done is not None:
+                return (
+                    f"the torch.export door was not ahead of the onnx door here in {precision} ({mine:.2f}x against "
+                    f"{theirs:.2f}x), and {onnx} was timed at {done:.2f}x: a door changes the graph, in every precision"
+                )
+        compared = {target: pairs for target, other in (elsewhere or {}).items() if (pairs := self._door_pairs(other))}
+        if len(compared) < self.DOOR_EVIDENCE or any(
+            mine > theirs * (1 + self.DOOR_MARGIN) for pairs in compared.values() for _, mine, theirs in pairs
+        ):
+            return None
+        shown = "; ".join(
+            f"{target}: {mine:.2f}x against {theirs:.2f}x in {precision}"
+            for target, ((precision, mine, theirs), *_) in list(compared.items())[:3]
+        )
+        return (
+            f"the torch.export door was ahead of the onnx door on none of the {len(compared)} targets that timed both "
+            f"({shown})"
+        )
+
+    #: The torch.export door is ahead of the ONNX door where it was timed more than this much faster in one precision
+    #: (the margin by which the search after a first plan switches, `core.strategy.SWITCH_MARGIN`).
+    DOOR_MARGIN = 0.03
+    #: Other targets on which both doors were timed, the torch.export door ahead on none, after which a target does not
+    #: build it (`cannot_win`).
+    DOOR_EVIDENCE = 2
+
+    def _door_pairs(self, timed: Sequence[tuple[str, str, float | None]]) -> list[tuple[str, float, float]]:
+        """(precision, this door's speed-up, the ONNX door's) for each precision both doors were timed in."""
+        speeds = {name: speedup for name, _, speedup in timed if speedup is not None}
+        pairs = []
+        for precision in _HINTS:
+            mine = speeds.get(self._with(precision, self.door).describe())
+            theirs = speeds.get(self._with(precision, None).describe())
+            if mine is not None and theirs is not None:
+                pairs.append((precision, mine, theirs))
+        return pairs
 
     def describe(self) -> str:
         options = [f"door={self.through}"] + ([f"precision={self.precision}"] if self.precision != "fp32" else [])

@@ -34,11 +34,16 @@ class NoEvidence(Exception):
     """No sample of a signature can serve as evidence (non-finite eager output, or not replayable)."""
 
 
+#: One candidate as timed on a target: its `describe()`, precision and speed-up over eager.
+Timed = tuple[str, str, float | None]
+
+
 class KindEvidence:
     """What the first blocks of a kind showed about each slow-build candidate, for the blocks of that kind tuned later
     (`MinLatency(prune_slow_after=N)`). One per registration (`TuningContext.evidence`): a block's kind is its module's
     class name, a candidate is its `describe()` (which names its precision: bf16 Inductor and fp32 Inductor are two
-    candidates).
+    candidates). It also keeps what was timed on each target (`record_timed`), which the search after a first plan
+    hands to `Backend.cannot_win` for the targets searched later (OpenVINO's second door, `backends/openvino.py`).
 
     Each target that built a slow candidate leaves one outcome for it: a loss (it failed, was wrong, or was timed
     below `LOSS_RATIO` of the chosen speed-up, or below `min_speedup` when eager was kept) or not (it won, or came
@@ -54,6 +59,26 @@ class KindEvidence:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._outcomes: dict[tuple[str, str], dict[str, str | None]] = {}  # (kind, candidate) -> {target: loss}
+        self._timed: dict[str, list[Timed]] = {}  # target -> what was timed on it, first timed first
+
+    def record_timed(self, target: str, timed: Sequence[Timed]) -> None:
+        """What was timed on `target` so far (each candidate's `describe()`, precision and speed-up over eager): the
+        evidence `Backend.cannot_win` weighs for the targets searched after it (`elsewhere`)."""
+        with self._lock:
+            self._timed[target] = list(timed)
+
+    def timed_elsewhere(self, target: str) -> dict[str, list[Timed]]:
+        """What was timed on the other targets of the same model part as `target` (the first part of its dotted name:
+        a pipeline's "unet", "vae", "text_encoder"; the registered module's child), in the order they were first timed.
+        Evidence about a backend's conversion of one model holds across that model's blocks, less across models: SD
+        small's CLIP layer ran faster through OpenVINO's torch.export door, its UNet and VAE blocks did not."""
+        part = target.split(".", 1)[0]
+        with self._lock:
+            return {
+                name: list(timed)
+                for name, timed in self._timed.items()
+                if name != target and timed and name.split(".", 1)[0] == part
+            }
 
     def record(self, kind: str, candidate: str, target: str, loss: str | None) -> None:
         """`target` (of `kind`) built `candidate`: `loss` says how it lost, None when it did not."""
@@ -527,6 +552,7 @@ class MinLatency(Strategy):
 
     def decide(self, job: TuningJob, backends: Sequence[Backend]) -> Decision:
         decision = self._decide(job, backends)
+        _record_timed(job)
         if job.evidence is not None and self.prune_slow_after:
             self._record(job, [b.describe() for b in backends if build_cost(b) == "slow"], decision)
         return decision
@@ -597,6 +623,7 @@ class MinLatency(Strategy):
         job.leader = leader
         if not leader[1].rounds:  # an estimate: timed against eager first
             job.time([(leader[1], leader[2])])
+            _record_timed(job)
             return bool(job.deferred)
         if not job.deferred:
             return False
@@ -615,6 +642,7 @@ class MinLatency(Strategy):
                 low = job.bounds[result.backend][0] / (leader[1].speedup or 1.0)
                 if low > 1.0 and (result.speedup or 0.0) >= (leader[1].speedup or 0.0) * (1 + SWITCH_MARGIN):
                     job.leader = (backend, result, built)
+            _record_timed(job)
         return bool(job.deferred)
 
     def refine(self, job: TuningJob, current: Decision) -> Decision | None:
@@ -768,11 +796,23 @@ def _fallback(
     return fallback, None
 
 
+def _timed_here(job: TuningJob) -> list[Timed]:
+    """What was timed on the job's target: each candidate's `describe()`, precision and speed-up over eager."""
+    return [(c.backend, c.precision, c.speedup) for c in job.report.candidates if c.speedup is not None]
+
+
+def _record_timed(job: TuningJob) -> None:
+    """Leave what was timed on the job's target to the registration's other targets (`KindEvidence.record_timed`)."""
+    if job.evidence is not None:
+        job.evidence.record_timed(job.name, _timed_here(job))
+
+
 def _cannot_win(job: TuningJob, backend: Backend) -> str | None:
-    """Why the evidence timed on this target says `backend` cannot win (`Backend.cannot_win`, asked with what was timed
-    here: each candidate's `describe()`, precision and speed-up), or None."""
-    timed = [(c.backend, c.precision, c.speedup) for c in job.report.candidates if c.speedup is not None]
-    return backend.cannot_win(timed) if timed else None
+    """Why the evidence says `backend` cannot win (`Backend.cannot_win`, asked with what was timed here, and on the
+    registration's other targets), or None."""
+    timed = _timed_here(job)
+    elsewhere = job.evidence.timed_elsewhere(job.name) if job.evidence is not None else {}
+    return backend.cannot_win(timed, elsewhere) if timed or elsewhere else None
 
 
 def _precision_lost(job: TuningJob, backend: Backend) -> str | None:

@@ -288,3 +288,45 @@ def test_anytime_off_tries_every_candidate_in_the_call_that_tunes() -> None:
     assert faster.builds and "aitune_hf worker" not in faster.builds[0]
     assert TuningConfig().anytime is True
     registration.detach()
+
+
+class Variant(Waits):
+    """A second form of the first plan (as OpenVINO's torch.export door is of its ONNX door): its evidence rule
+    (`Backend.cannot_win`) reads what the registration's other targets timed, and declines where it was timed on two of
+    them and was not ahead of the first plan on either."""
+
+    def cannot_win(self, timed: Any, elsewhere: Any = None) -> str | None:
+        speeds = {name: {n: s for n, _, s in other} for name, other in (elsewhere or {}).items()}
+        lost = [name for name, s in speeds.items() if s.get(self.name, float("inf")) <= s["first_plan"] * 1.03]
+        return f"not ahead on {', '.join(lost)}" if len(lost) >= 2 else None
+
+
+def test_the_search_weighs_what_the_other_targets_timed() -> None:
+    """Three blocks of three kinds in one part of the model ("unet.*"; no sibling takes another's decision: each tunes
+    and searches on its own), and a fourth in another part ("vae"). The variant is no faster than the first plan: two
+    searches of the first part build and time it, the third is handed their timings (`KindEvidence.record_timed`) and
+    skips it with the reason in its report; the other part's block builds it (its part has no evidence). Every call
+    equals eager."""
+    kinds = [Waiting] + [type(name, (Waiting,), {}) for name in ("Second", "Third", "Fourth")]
+    model = nn.Sequential(*(kind() for kind in kinds)).eval()
+    x = torch.randn(4, 8)
+    variant = Variant("variant", FIRST_PLAN_S)
+    names = ["unet.down", "unet.mid", "unet.up", "vae"]
+    config = {**ANYTIME, "backends": [Waits("first_plan", FIRST_PLAN_S), variant]}
+    registration = register(dict(zip(names, model, strict=True)), config)
+    with torch.no_grad():
+        model(x)
+        registration.tune()
+        model(x)
+    assert registration.wait(timeout=60)
+    skipped = {name: c for name, t in registration.targets.items() for c in t.report().signatures[0].candidates
+               if c.backend == "variant" and c.skipped_for == "evidence"}  # fmt: skip
+    assert len(variant.builds) == 3 and len(skipped) == 1, registration.report()
+    ((name, candidate),) = skipped.items()
+    assert name.startswith("unet.") and "not ahead on unet." in candidate.error, registration.report()
+    with torch.no_grad():
+        expected = x
+        for block in model:
+            expected = block.compute(expected)
+        torch.testing.assert_close(model(x), expected)
+    registration.detach()
