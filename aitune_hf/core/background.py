@@ -190,12 +190,19 @@ class BackgroundTuner:
             return False
         return True
 
-    def submit_search(self, name: str, run: Callable[[], None], key: Any) -> None:
+    def submit_search(self, name: str, run: Callable[[], None], key: Any, behind: bool = False) -> None:
         """Queue a step of the search after a first plan (`run`), once per `key`; returns at once. It goes behind at
         most one job that waits (a check of new shapes): the search and the checks take turns, where the checks of a
-        service meeting new shapes all the time would otherwise hold the search back for good. Never dropped for the
+        service meeting new shapes all the time would otherwise hold the search back for good. With `behind`, it goes
+        behind every job queued (a step that gave way to the checks waiting: `checks_waiting`). Never dropped for the
         checks' bound (`MAX_CHECKS`)."""
-        self._submit(_Job(name, run, key, tuning=False, search=True), position=1)
+        self._submit(_Job(name, run, key, tuning=False, search=True), position=None if behind else 1)
+
+    @property
+    def checks_waiting(self) -> bool:
+        """True while a check of a whole call (new shapes, a gate) is queued."""
+        with self._condition:
+            return any(not job.tuning and not job.search for job in self._queue)
 
     def _submit(self, job: _Job, position: int | None = None) -> bool:
         with self._condition:

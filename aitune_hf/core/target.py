@@ -580,8 +580,10 @@ class Target:
         """A step of the search after this target's first plan (`core/refine.py`), on the worker: its first waits for
         the callers' tunings to end; each holds the process's tuning lock (not this target's: calls keep being served),
         and queues the next step behind what waits on the worker."""
+        worker = self._context.worker()
+        checks = (lambda: worker.checks_waiting) if worker is not None else (lambda: False)
         with _off_thread():
-            more = refinement.step(self._context.quiet, _TUNING.held)
+            more = refinement.step(self._context.quiet, _TUNING.held, checks)
         if more:
             self._context.search(self, refinement)
 

@@ -168,3 +168,41 @@ def test_a_callers_call_is_served_but_the_workers_replay_is_not() -> None:
         assert worker.callers == 0
     assert worker.callers == 0
     registration.detach()
+
+
+def test_a_search_waiting_for_quiet_gives_way_to_a_check_queued_behind_it() -> None:
+    """The gate of a plan a search found runs as a check on the worker, and the other searches wait for quiet, which
+    that gate holds back: each search's wait gave the worker to nothing for `QUIET_S` (SD small under traffic: the final
+    plan 254-283 s where it was 100 s). Now a search waiting for quiet goes behind the check that waits, which runs
+    first; then the search goes on."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from aitune_hf.core.background import BackgroundTuner
+    from aitune_hf.core.refine import QUIET_S, Refinement
+
+    tuner = BackgroundTuner("give way test")
+    ran: list[str] = []
+    gated = threading.Event()  # the quiet the search waits for: the gate has run
+    job = SimpleNamespace(deferred=[])
+    refinement = Refinement(None, job, SimpleNamespace(report=None), contextlib.nullcontext, print, {})  # type: ignore[arg-type]
+    refinement.bind(SimpleNamespace(name="searched", serves=lambda route: False), SimpleNamespace(provisional=False))
+
+    def search() -> None:
+        ran.append("search")
+        if refinement.step(gated.is_set, contextlib.nullcontext, lambda: tuner.checks_waiting):
+            tuner.submit_search("search", search, key=object(), behind=refinement.behind)
+
+    def gate() -> None:
+        ran.append("gate")
+        gated.set()
+
+    started = time.monotonic()
+    tuner.submit_search("search", search, key=object())
+    while not ran:
+        time.sleep(0.01)
+    assert tuner.submit_check("the gate of a whole call", gate, lambda: None)
+    assert tuner.wait(QUIET_S)
+    assert ran == ["search", "gate", "search"] and time.monotonic() - started < QUIET_S / 3, ran
+    assert refinement.state == "done" and refinement.outcome.startswith("dropped")  # the searched plan is gone here
+    tuner.stop()
