@@ -98,6 +98,28 @@ class ArtifactPlace(abc.ABC):
         """A fresh, empty local folder to write a new artifact into (published if this build wins)."""
 
 
+_WORKER = threading.local()
+
+
+@contextlib.contextmanager
+def on_the_worker() -> Iterator[None]:
+    """Marks the calling thread as aitune_hf's worker while inside (`core/background.py` runs each job in it): what it
+    runs of a built backend is a tuning's, not a caller's (the checks of new shapes, the timed rounds of a search)."""
+    prior = getattr(_WORKER, "on", False)
+    _WORKER.on = True
+    try:
+        yield
+    finally:
+        _WORKER.on = prior
+
+
+def running_on_the_worker() -> bool:
+    """True in aitune_hf's worker thread while it runs a job (`on_the_worker`). A built backend whose engine runs one
+    request at a time gives the worker a copy of its own (`backends/openvino.py`): a caller's request then never waits
+    for the worker's, nor the worker's timed runs for a caller's."""
+    return getattr(_WORKER, "on", False)
+
+
 @dataclass(frozen=True)
 class BuildContext:
     """What the tuning core tells the builds of one tuning, besides their arguments (`build_context`).

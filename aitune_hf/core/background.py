@@ -47,6 +47,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from aitune_hf.backends.base import on_the_worker
+
 logger = logging.getLogger(__name__)
 
 #: The worker sleeps YIELD_S seconds every YIELD_EVERY profile events (Python and C calls and returns) of its thread.
@@ -287,7 +289,8 @@ class BackgroundTuner:
             # a tuning only yields, as it did (its export and builds are measured under traffic, docs/serving.md).
             sys.setprofile(_yielding_hook(self._busy if not job.tuning and not job.search else lambda: False))
             try:
-                job.run()
+                with on_the_worker():
+                    job.run()
             except BaseException:  # contained in the target already; never let the worker die silently
                 kind = "tuning" if job.tuning else "search" if job.search else "check"
                 logger.exception("aitune_hf: background %s of %s failed", kind, job.name)
