@@ -218,6 +218,12 @@ def run(
     after = [ratio for _, ratio, searching, *_ in timeline if not searching]
     slowest = sorted(during, key=lambda row: row[1])[:5]
     worst_calls = [f"- at {t:.1f} s: {ratio:.2f}x plain; {went_on}" for t, ratio, _, went_on in slowest]
+    timed = [
+        f"- {target}: " + "; ".join(f"{c.backend} {c.speedup:.2f}x" for c in signature.candidates if c.speedup)
+        for target, module in report.modules.items()
+        for signature in module.signatures[:1]
+        if signature.shared_from is None and any(c.speedup for c in signature.candidates)
+    ]
     hint = "bf16" if precision == "auto" and hardware.cpu_bf16_reason() is None else "f32"
     peer_s = peer(hint)
     model.disable_aitune()
@@ -235,6 +241,11 @@ def run(
         f"The {name} calls slowest against their plain calls while the search went on:",
         "",
         *worst_calls,
+        "",
+        f"The {name} candidates timed (speed-up over eager; in the search: its ratio to the plan that served, times "
+        "that plan's):",
+        "",
+        *timed,
         "",
         f"The {name} report at the end:",
         "",

@@ -117,6 +117,9 @@ def test_the_first_plan_serves_from_the_call_that_tuned_and_the_search_switches_
     assert "replaced the first plan, first_plan" in signature.search
     figures = {c.backend: c for c in signature.candidates}
     assert figures["faster"].speedup > figures["first_plan"].speedup > 1.05 and figures["first_plan"].rounds > 0
+    for name in ("faster", "first_plan"):  # each row's eager and tuned ms say what its speed-up says
+        ratio = signature.eager_latency_s / figures[name].latency_s
+        assert 0.7 < ratio / figures[name].speedup < 1.4, (name, ratio, figures[name].speedup)
     plans = registration.plan_seconds
     assert 0 < plans["first_tuned_s"] <= plans["final_plan_s"], plans
     text = str(registration.report())
