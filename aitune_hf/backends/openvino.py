@@ -708,6 +708,8 @@ class _InferRunner:
         self._config = config
         self._copy: tuple[Any, Any] | None = None
         self._copy_lock = threading.Lock()
+        #: A thread other than aitune_hf's worker has called it (it serves): the worker's calls then run the copy.
+        self._served = False
         #: The input shapes the specialized model takes, by input name.
         self._static = {
             port.get_any_name(): tuple(port.get_shape()) for port in getattr(self.specialized, "inputs", ())
@@ -737,21 +739,26 @@ class _InferRunner:
         requests = getattr(self._local, "requests", None)
         if requests is None:
             requests = self._local.requests = {}
-        worker = running_on_the_worker()
-        if (worker, specialized) not in requests:
-            models = self._worker_copy() if worker else (self.compiled, self.specialized)
-            requests[worker, specialized] = models[specialized].create_infer_request()
-        return requests[worker, specialized]
+        if not running_on_the_worker():
+            self._served = True
+            copy = False
+        else:  # a build no caller has run (a candidate being tuned) needs no copy
+            copy = self._served
+        if (copy, specialized) not in requests:
+            models = self._worker_copy() if copy else (self.compiled, self.specialized)
+            requests[copy, specialized] = models[specialized].create_infer_request()
+        return requests[copy, specialized]
 
     def _worker_copy(self) -> tuple[Any, Any]:
         """The worker's own copy of the compiled models (imported from them, with the same properties), made at its
-        first call. A compiled model runs one request at a time (`NUM_STREAMS` 1, which keeps a call alone fastest:
-        measured on a BERT layer, two streams took 0.12 ms a call of 12 tokens where one took 0.06, 1.56 ms against
-        1.33 at 32 x 128): a caller's request waited for the worker's run of the same model (the check of a new shape),
-        and the plan that serves was timed, in the search after it, slowed by the callers' requests it waited for
-        (8 chained 512-wide MatMuls, 1 thread: 1.4 ms alone, 2.7-2.9 ms beside a thread calling the same compiled
-        model, 1.4-1.6 ms beside one calling another), where the candidate it was timed against, which no caller
-        uses, was not. Its cost: the weights once more in OpenVINO's layout, for as long as the build serves."""
+        first call once a caller has run them (`_served`). A compiled model runs one request at a time (`NUM_STREAMS`
+        1, which keeps a call alone fastest: measured on a BERT layer, two streams took 0.12 ms a call of 12 tokens
+        where one took 0.06, 1.56 ms against 1.33 at 32 x 128): a caller's request waited for the worker's run of the
+        same model (the check of a new shape), and the plan that serves was timed, in the search after it, slowed by
+        the callers' requests it waited for (8 chained 512-wide MatMuls, 1 thread: 1.4 ms alone, 2.7-2.9 ms beside a
+        thread calling the same compiled model, 1.4-1.6 ms beside one calling another), where the candidate it was
+        timed against, which no caller uses, was not. Its cost: the weights once more in OpenVINO's layout, for as
+        long as the build serves."""
         with self._copy_lock:
             if self._copy is None:
                 copies = []

@@ -120,8 +120,9 @@ def test_int8_stores_the_linear_weights_as_int8_and_stays_within_the_block_budge
 def test_the_most_common_shape_gets_a_model_of_its_own_and_every_shape_stays_within_fp32_tolerance() -> None:
     """A family recorded mostly in one shape (a pipeline at one resolution) compiles that shape statically as well: its
     calls run there, other shapes run the family's model; both within fp32 tolerances of eager. On aitune_hf's worker
-    the same calls run a copy of both (`_worker_copy`: a caller's request never waits for the worker's). Varied traffic
-    (no shape in half the calls) and `specialize=False` compile the family's model only."""
+    the same calls run a copy of both once a caller has run them (`_worker_copy`: a caller's request never waits for
+    the worker's), and a build no caller has run makes none. Varied traffic (no shape in half the calls) and
+    `specialize=False` compile the family's model only."""
     module = BertBlock()
     hot, other = _bert_call(2, 8), _bert_call(3, 13)
     built = _build(OpenVinoBackend(num_threads=1), module, [hot, hot, other], dynamic=True)
@@ -142,6 +143,9 @@ def test_the_most_common_shape_gets_a_model_of_its_own_and_every_shape_stays_wit
     assert used[4:] == [True, False] and runner._copy is not None and None not in runner._copy
     assert set(runner._local.requests) == {(False, True), (False, False), (True, True), (True, False)}
     varied = _build(OpenVinoBackend(num_threads=1), module, [hot, other, _bert_call(1, 5)], dynamic=True)
+    with on_the_worker(), torch.no_grad():  # a build no caller has run (a candidate being tuned): no copy
+        torch.testing.assert_close(varied.fn(*hot), module(*hot), **FP32)
+    assert varied.fn._copy is None
     unasked = _build(OpenVinoBackend(num_threads=1, specialize=False), module, [hot, hot], dynamic=True)
     assert varied.fn.specialized is None and unasked.fn.specialized is None
     assert OpenVinoBackend(specialize=False).describe() == "openvino(door=onnx, specialize=False)"
