@@ -172,9 +172,10 @@ class OpenVinoBackend(Backend):
         - anywhere, once both doors were timed in one precision on `DOOR_EVIDENCE` other targets of the same model
           part (`elsewhere`) and this door was ahead on none of the targets that timed both (one where it was keeps it
           built).
-        Measured (AMD EPYC, AVX512-BF16; benchmarks/results/anytime_amd.md): SD small's blocks searched the torch.export
-        door for 38.7-45.8 s in bf16, and it won on the CLIP text encoder's layer only; the whole MiniLM's doors were
-        level in bf16 (3.80x, 3.84x), and its int8 was then built through both for 6.7 s more."""
+        Measured (AMD EPYC, AVX512-BF16; benchmarks/results/anytime_amd_doors.md): SD small's blocks searched the
+        torch.export door for 38.7-50.9 s in bf16; it was timed ahead on the CLIP text encoder's layer in most runs, on
+        one VAE or UNet block in some, level or behind on the others; the whole MiniLM's doors were level in bf16
+        (3.80x, 3.84x), and its int8 was then built through both for 6.7 s more."""
         if self.through == DOORS[0]:
             return None
         for precision, mine, theirs in self._door_pairs(timed):
