@@ -396,9 +396,8 @@ class TuningJob:
         `against`: a candidate timed against eager before (the plan that serves, in the search after it), timed in
         eager's place: each speed-up is then its paired ratio to `against` times `against`'s speed-up (two ratios, each
         paired in its own rounds), its latency `against`'s over that ratio, and the thresholds are ratios to
-        `against`. A search at batch 32 of a whole MiniLM
-        then runs OpenVINO's 0.25 s call in each round where eager's 1 s call ran. `rounds`: at most this many timed
-        rounds (default `config.repeats`).
+        `against`. A search at batch 32 of a whole MiniLM then runs OpenVINO's 0.25 s call in each round where eager's
+        1 s call ran. `rounds`: at most this many timed rounds (default `config.repeats`).
 
         Returns the candidates that survived; one that raised while being timed gets its error recorded.
         """

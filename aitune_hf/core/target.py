@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch._C._dynamo.eval_frame import set_eval_frame  # what torch.compiler.disable calls around a function
 
-from aitune_hf.backends.base import Backend, Started
+from aitune_hf.backends.base import Backend, Started, running_on_the_worker
 from aitune_hf.core.checks import compare_outputs
 from aitune_hf.core.context import TuningContext
 from aitune_hf.core.decisions import Decision
@@ -126,19 +126,6 @@ class _TuningLock:
 
 
 _TUNING = _TuningLock()
-#: `on` while this thread tunes or searches on a worker (`tune_in_background`, `refine_in_background`): builds there
-#: are private, and the backends that compile the live module are ruled out (`Target._private_builds_only`).
-_OFF_THREAD = threading.local()
-
-
-@contextlib.contextmanager
-def _off_thread() -> Iterator[None]:
-    prior = getattr(_OFF_THREAD, "on", False)
-    _OFF_THREAD.on = True
-    try:
-        yield
-    finally:
-        _OFF_THREAD.on = prior
 
 
 class TargetState(str, enum.Enum):
@@ -572,7 +559,7 @@ class Target:
     def tune_in_background(self, tuner: Any) -> None:
         """Tune now, on the background worker (`core/background.py`): waits for any tuning in the process to end. Only
         backends that build from a private copy of the module take part (`_private_builds_only`)."""
-        with _TUNING.held(), self._lock, _off_thread():
+        with _TUNING.held(), self._lock:
             if self._state is TargetState.ARMED:
                 self._tune()
 
@@ -582,8 +569,7 @@ class Target:
         and queues the next step behind what waits on the worker."""
         worker = self._context.worker()
         checks = (lambda: worker.checks_waiting) if worker is not None else (lambda: False)
-        with _off_thread():
-            more = refinement.step(self._context.quiet, _TUNING.held, checks)
+        more = refinement.step(self._context.quiet, _TUNING.held, checks)
         if more:
             self._context.search(self, refinement)
 
@@ -1056,8 +1042,10 @@ class Target:
         context = self._context
         described = describe_family(signatures)
         restriction = self.unavailable_reason
-        off_thread = getattr(_OFF_THREAD, "on", False)
-        if off_thread:  # on the worker, while calls are served: only builds from a private copy of the module
+        # On the worker (`tune_in_background`: `core/background.py` runs each job inside `on_the_worker`), while calls
+        # are served: only builds from a private copy of the module.
+        off_thread = running_on_the_worker()
+        if off_thread:
             restriction = self._private_builds_only
         try:
             job = TuningJob(
