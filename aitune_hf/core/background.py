@@ -59,7 +59,8 @@ YIELD_S = 1e-4
 #: whole calls) shares the memory bandwidth and the GIL with the callers' calls: on 2 cores, unseen single queries
 #: served beside the checks of a batch pass took 1.30x a plain call in one pass; the benchmark's rounds of first
 #: sights read 0.97-1.19x (median 1.02x) with the pauses, the checks taking 0.02-0.09 s of CPU beside a 0.5 s pass
-#: (docs/precision.md: the rest of a single pass's swing is the host).
+#: (docs/precision.md: the rest of a single pass's swing is the host). A check with a search step queued behind it does
+#: not pause (`_busy`): the worker is the search's next, which yields and does not pause.
 PAUSE_S = 0.05
 
 
@@ -175,7 +176,14 @@ class BackgroundTuner:
         return self._serving
 
     def _busy(self) -> bool:
-        return self._serving > 0
+        """A check pauses: a caller's whole call is in flight, and no search step waits behind the check. Where one
+        does, the worker is the search's next anyway (a step yields, it does not pause): a check that paused there
+        only held the search back (MiniLM's checks behind a search: 24-27 s of wall time each turn, for 0.4 s of work
+        each)."""
+        if self._serving <= 0:
+            return False
+        with self._condition:
+            return not any(job.search for job in self._queue)
 
     def submit(self, target: Tunable) -> None:
         """Queue `target`'s tuning (once) and make sure the worker runs; returns at once."""
@@ -192,13 +200,15 @@ class BackgroundTuner:
             return False
         return True
 
-    def submit_search(self, name: str, run: Callable[[], None], key: Any, behind: bool = False) -> None:
-        """Queue a step of the search after a first plan (`run`), once per `key`; returns at once. It goes behind at
-        most one job that waits (a check of new shapes): the search and the checks take turns, where the checks of a
-        service meeting new shapes all the time would otherwise hold the search back for good. With `behind`, it goes
-        behind every job queued (a step that gave way to the checks waiting: `checks_waiting`). Never dropped for the
-        checks' bound (`MAX_CHECKS`)."""
-        self._submit(_Job(name, run, key, tuning=False, search=True), position=None if behind else 1)
+    def submit_search(self, name: str, run: Callable[[], None], key: Any) -> None:
+        """Queue a step of the search after a first plan (`run`), once per `key`; returns at once. It goes behind every
+        job queued: the checks of new shapes waiting (at most `MAX_CHECKS`) and the targets waiting for a first plan run
+        before the next candidate is built. A new shape is served eager until its check passes, and a step takes
+        seconds (a build, or timed rounds): behind one check only, the single queries of a MiniLM service were served
+        eager through the whole search (0.27-0.9x a plain call, beside the search's export) while 8 checks waited.
+        The bound keeps the search going: a step waits for at most the jobs queued before it. Never dropped for the
+        checks' bound."""
+        self._submit(_Job(name, run, key, tuning=False, search=True))
 
     @property
     def checks_waiting(self) -> bool:
@@ -206,17 +216,14 @@ class BackgroundTuner:
         with self._condition:
             return any(not job.tuning and not job.search for job in self._queue)
 
-    def _submit(self, job: _Job, position: int | None = None) -> bool:
+    def _submit(self, job: _Job) -> bool:
         with self._condition:
             running = self._running
             if self._stopped or (running is not None and running.key is job.key):
                 return False
             if any(queued.key is job.key for queued in self._queue):
                 return False
-            if position is None:
-                self._queue.append(job)
-            else:
-                self._queue.insert(min(position, len(self._queue)), job)
+            self._queue.append(job)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._work, name=self.thread_name, daemon=True)
                 self._thread.start()

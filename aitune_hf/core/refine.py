@@ -113,10 +113,8 @@ class Refinement:
         self._waits = 0
         #: `close` was called; a step runs now (under the tuning lock).
         self._closing = self._executing = False
-        #: When its wait for quiet ends (`time.monotonic()`, kept while it gives way to checks), and whether its next
-        #: step goes behind every job queued (it gave way: `step`).
+        #: When its wait for quiet ends (`time.monotonic()`, kept while it gives way to checks).
         self._quiet_until: float | None = None
-        self.behind = False
 
     @property
     def left(self) -> int:
@@ -150,8 +148,8 @@ class Refinement:
         """One step of the search, on the worker: its first waits for quiet (`QUIET_S` at most); each then, holding
         `lock()` (the process's tuning lock, as a search step holds it), builds and checks one candidate
         (`Strategy.refine_step`), and the last times what was built, serves what it found and stores the final
-        decision. True while steps are left: the worker queues the next behind what waits (a check of new shapes runs
-        between two candidates). The wait for quiet gives way (True, `behind`: queued behind every job) while a check of
+        decision. True while steps are left: the worker queues the next behind what waits (the checks of new shapes run
+        between two candidates). The wait for quiet gives way (True: queued again behind every job) while a check of
         a whole call waits on the worker: the quiet may wait for it (the gate of a plan another search found runs
         there). Contained: what raises ends the search, the first plan serving on, with the reason in the log and the
         report."""
@@ -160,10 +158,9 @@ class Refinement:
                 self._quiet_until = time.monotonic() + QUIET_S
             while not quiet() and time.monotonic() < self._quiet_until:
                 if checks_waiting():
-                    self.behind = True
                     return True
                 time.sleep(QUIET_POLL_S)
-            self.behind, self._quiet_until = False, None
+            self._quiet_until = None
             assert self._owner is not None
             if not quiet() and self._owner[1].provisional and self._waits < QUIET_WAITS:
                 self._waits += 1  # the call that tuned has not gated its first plan yet (a long tuning call): later

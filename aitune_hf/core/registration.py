@@ -385,7 +385,7 @@ class Registration:
             self._searches.append(refinement)
         self.worker.submit_search(
             f"the search after {target.name}'s first plan", functools.partial(target.refine_in_background, refinement),
-            key=(refinement, refinement.steps), behind=refinement.behind,
+            key=(refinement, refinement.steps),
         )  # fmt: skip
 
     def _decided(self) -> None:

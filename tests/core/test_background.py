@@ -4,9 +4,11 @@ made; backends that compile the live module are left out, and the report says wh
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -191,7 +193,7 @@ def test_a_search_waiting_for_quiet_gives_way_to_a_check_queued_behind_it() -> N
     def search() -> None:
         ran.append("search")
         if refinement.step(gated.is_set, contextlib.nullcontext, lambda: tuner.checks_waiting):
-            tuner.submit_search("search", search, key=object(), behind=refinement.behind)
+            tuner.submit_search("search", search, key=object())
 
     def gate() -> None:
         ran.append("gate")
@@ -205,4 +207,38 @@ def test_a_search_waiting_for_quiet_gives_way_to_a_check_queued_behind_it() -> N
     assert tuner.wait(QUIET_S)
     assert ran == ["search", "gate", "search"] and time.monotonic() - started < QUIET_S / 3, ran
     assert refinement.state == "done" and refinement.outcome.startswith("dropped")  # the searched plan is gone here
+    tuner.stop()
+
+
+def test_a_search_step_goes_behind_every_check_queued() -> None:
+    """A new shape is served eager until its check passes, and a search step takes seconds: a step queued behind one
+    check only left MiniLM's single queries eager through the whole search while 8 checks waited. The next step now
+    waits for every check queued before it; a check queued after it waits for it (the search always progresses)."""
+    from aitune_hf.core.background import BackgroundTuner
+
+    tuner = BackgroundTuner("order test")
+    ran: list[str] = []
+    release = threading.Event()
+
+    def step(name: str, more: bool) -> Callable[[], None]:
+        def run() -> None:
+            ran.append(name)
+            if name == "step 1":
+                release.wait(10)
+            if more:
+                tuner.submit_search("search", step("step 2", False), key="step 2")
+
+        return run
+
+    tuner.submit_search("search", step("step 1", True), key="step 1")
+    while not ran:
+        time.sleep(0.01)
+    for name in ("check a", "check b", "check c"):
+        assert tuner.submit_check(name, functools.partial(ran.append, name), lambda: None)
+    release.set()
+    while len(ran) < 4:  # step 1 has queued step 2 behind the three checks: one more check now goes behind step 2
+        time.sleep(0.001)
+    assert tuner.submit_check("check d", functools.partial(ran.append, "check d"), lambda: None)
+    assert tuner.wait(10)
+    assert ran == ["step 1", "check a", "check b", "check c", "step 2", "check d"], ran
     tuner.stop()
