@@ -270,7 +270,7 @@ class OpenVinoBackend(Backend):
         place = current_build().place
         cached = place.load(self, True) if place is not None else None
         config = self.config()
-        models, source = None, "cache"
+        models, source, sources = None, "cache", None
         if cached is not None:
             try:
                 models = [_core().import_model(io.BytesIO(blob.read_bytes()), "CPU", config) for blob in _blobs(cached)]
@@ -283,9 +283,11 @@ class OpenVinoBackend(Backend):
             if self.precision == "int8" and not (linear := _compress_int8(model, module)):
                 raise CandidateUnavailable("no linear layer with constant weights: nothing here computes in int8")
             models = [_core().compile_model(model, "CPU", config)]
+            sources = [model]
             hot = _most_calls_shape(layout, samples) if dynamic and self.specialize else None
             if hot is not None and (static := _specialized(model, hot, config)) is not None:
-                models.append(static)
+                sources.append(static[0])
+                models.append(static[1])
         for compiled in models:
             _check_precision(compiled, config["INFERENCE_PRECISION_HINT"])
         artifacts: list[Path] = []
@@ -296,7 +298,7 @@ class OpenVinoBackend(Backend):
                 compiled.export_model(blob)
                 (folder / _BLOB_FILES[index]).write_bytes(blob.getvalue())
             artifacts = [folder]
-        runner = _InferRunner(models, layout, source, config)
+        runner = _InferRunner(models, layout, source, config, sources)
         if self.precision == "int8":
             runner.int8_layers = _int8_layers(models[0], linear if cached is None else {})
         return BuiltBackend(
@@ -314,14 +316,29 @@ class OpenVinoBackend(Backend):
         self, layout: CallLayout, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]
     ) -> tuple[Any, str]:
         """The door through the ONNX export: the export obtained (`onnx.model.obtain`: shared, reused, made in the
-        build process for background tuning, or here), read by OpenVINO's ONNX frontend."""
+        build process for background tuning, or here), read by OpenVINO's ONNX frontend. One read per call in a tuning
+        and the search after it: each precision's build starts from a copy of it (int8 compresses its copy's
+        weights)."""
+        build = current_build()
+        key = ("openvino read onnx", sibling_key(module, layout.in_leaves, layout.in_spec, layout.dynamic))
+        if build.shared is not None and key in build.shared:
+            return build.shared[key].clone(), "shared"
         obtained = obtain(
             layout, module, forward, samples, owner=self._own, opset_version=self.opset_version, reusable=True,
-            offload=current_build().private_only,
+            offload=build.private_only,
         )  # fmt: skip
-        if obtained.worker is not None:
-            obtained.worker.remove()  # the export is read back already (`obtained.proto`)
-        return _core().read_model(io.BytesIO(obtained.model_proto.SerializeToString())), obtained.how
+        try:
+            if obtained.worker is not None and obtained.worker.exported is not None:
+                # The build process's file, read into memory by OpenVINO, which lets go of the GIL while it reads.
+                model = _read(Path(obtained.worker.exported))
+            else:  # serialising holds the GIL (a whole MiniLM: 160-170 ms; beside a search's traffic, up to 0.65 s)
+                model = _core().read_model(io.BytesIO(obtained.model_proto.SerializeToString()))
+        finally:
+            if obtained.worker is not None:
+                obtained.worker.remove()
+        if build.shared is not None and obtained.how != "reused":  # a reused export that fails its check is built
+            build.shared[key] = model.clone()  # again afresh (`TuningJob.try_backend`): never from this one
+        return model, obtained.how
 
     def _through_program(
         self, layout: CallLayout, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]
@@ -357,8 +374,7 @@ class OpenVinoBackend(Backend):
                     f"served, and could not convert this block there: {error}"
                 ) from None
             try:
-                xml, weights = Path(worker.made["xml"]), Path(worker.made["bin"])
-                model, how = _core().read_model(xml.read_bytes(), _weights_tensor(weights.read_bytes())), "export"
+                model, how = _read(Path(worker.made["xml"])), "export"
             finally:
                 worker.remove()
         if build.shared is not None:
@@ -438,12 +454,12 @@ def _convert_in_worker(folder: Path, program: Any, input_names: list[str], outpu
     return {"xml": str(xml), "bin": str(xml.with_suffix(".bin"))}
 
 
-def _weights_tensor(data: bytes) -> Any:
-    """An IR's weights, read into memory (not mapped from a file the build process's folder holds)."""
-    import numpy as np
-    import openvino
-
-    return openvino.Tensor(np.frombuffer(data, dtype=np.uint8).copy())
+def _read(path: Path) -> Any:
+    """The model file `path` (IR or ONNX), read into memory (not mapped from a file the build process's folder holds,
+    deleted once read) by OpenVINO, which lets go of the GIL while it reads: the callers' calls go on (measured on a
+    whole MiniLM: 10-60 ms, calls stalled 5 ms at most; a weights tensor made from the bytes here held the GIL 80-280
+    ms)."""
+    return _core().read_model(str(path), config={"ENABLE_MMAP": False})
 
 
 def _zero_rows_that_see_no_key(model: Any) -> int:
@@ -602,15 +618,16 @@ def _constant_value(node: Any) -> Any:
     return None
 
 
-def _specialized(model: Any, shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) -> Any:
-    """`model` compiled for one shape of its family, or None where its graph cannot take static shapes."""
+def _specialized(model: Any, shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) -> tuple[Any, Any] | None:
+    """`model` reshaped to one shape of its family and compiled (both), or None where its graph cannot take static
+    shapes."""
     import openvino
 
     static = model.clone()
     names = {port.get_any_name() for port in static.inputs}
     try:
         static.reshape({name: openvino.PartialShape(list(shape)) for name, shape in shapes.items() if name in names})
-        return _core().compile_model(static, "CPU", config)
+        return static, _core().compile_model(static, "CPU", config)
     except Exception:  # a graph whose shape arithmetic OpenVINO cannot fold: the family's model serves that shape too
         logger.debug("aitune_hf: OpenVINO could not specialize a model to %s", shapes, exc_info=True)
         return None
@@ -682,7 +699,9 @@ class _InferRunner:
     """Calls a compiled model with torch tensors, one infer request per calling thread, and returns the forward's output
     structure (each output a fresh tensor: nothing handed to a caller is overwritten by a later call)."""
 
-    def __init__(self, models: list[Any], layout: CallLayout, source: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self, models: list[Any], layout: CallLayout, source: str, config: dict[str, Any], sources: list[Any] | None
+    ) -> None:
         #: Where the model came from: "export", "reused" (an identical module's export with these weights), "shared"
         #: (the export another build of this call made in this tuning) or "cache" (an imported compiled model).
         self.source = source
@@ -700,13 +719,17 @@ class _InferRunner:
         self.input_positions = {n: p for n, p in layout.input_positions.items() if n in self._ports}
         self.out_template = layout.out_template
         #: The outputs' indices by model (False: the family's, True: the specialized one's): the same in the worker's
-        #: copy (`_worker_copy`), imported from the same compiled model.
+        #: copy (`_worker_copy`), compiled from the same model or imported from the same compiled model.
         self._outputs = {
             specialized: [_output_index(model, name) for name in layout.output_names]
             for specialized, model in ((False, self.compiled), (True, self.specialized)) if model is not None
         }  # fmt: skip
-        #: The properties the models were compiled with; the worker's copy of them (made at its first call), or None.
+        #: The properties the models were compiled with, and the `openvino.Model`s compiled (None: imported from the
+        #: cache). Kept for the worker's copy: the compiled models hold their weights anyway (measured on a whole
+        #: MiniLM: the process's memory the same with the model kept or dropped). The worker's copy, made at its first
+        #: call, or None.
         self._config = config
+        self._sources = sources
         self._copy: tuple[Any, Any] | None = None
         self._copy_lock = threading.Lock()
         #: A thread other than aitune_hf's worker has called it (it serves): the worker's calls then run the copy.
@@ -751,26 +774,31 @@ class _InferRunner:
         return requests[copy, specialized]
 
     def _worker_copy(self) -> tuple[Any, Any]:
-        """The worker's own copy of the compiled models (imported from them, with the same properties), made at its
-        first call once a caller has run them (`_served`). A compiled model runs one request at a time (`NUM_STREAMS`
-        1, which keeps a call alone fastest: measured on a BERT layer, two streams took 0.12 ms a call of 12 tokens
-        where one took 0.06, 1.56 ms against 1.33 at 32 x 128): a caller's request waited for the worker's run of the
-        same model (the check of a new shape), and the plan that serves was timed, in the search after it, slowed by
-        the callers' requests it waited for (8 chained 512-wide MatMuls, 1 thread: 1.4 ms alone, 2.7-2.9 ms beside a
-        thread calling the same compiled model, 1.4-1.6 ms beside one calling another), where the candidate it was
-        timed against, which no caller uses, was not. Its cost: the weights once more in OpenVINO's layout, for as
-        long as the build serves."""
+        """The worker's own copy of the compiled models (compiled again from the same models with the same
+        properties; imported from them where they came from the cache), made at its first call once a caller has run
+        them (`_served`). A compiled model runs one request at a time (`NUM_STREAMS` 1, which keeps a call alone
+        fastest: measured on a BERT layer, two streams took 0.12 ms a call of 12 tokens where one took 0.06, 1.56 ms
+        against 1.33 at 32 x 128): a caller's request waited for the worker's run of the same model (the check of a
+        new shape), and the plan that serves was timed, in the search after it, slowed by the callers' requests it
+        waited for (8 chained 512-wide MatMuls, 1 thread: 1.4 ms alone, 2.7-2.9 ms beside a thread calling the same
+        compiled model, 1.4-1.6 ms beside one calling another), where the candidate it was timed against, which no
+        caller uses, was not. Its cost: the weights once more in OpenVINO's layout, for as long as the build serves.
+        Compiled, not exported and imported: OpenVINO lets go of the GIL while it compiles, and holds it while it
+        exports (a whole MiniLM's two models: the callers' calls stalled 0.38 s)."""
         with self._copy_lock:
             if self._copy is None:
                 copies = []
-                for model in (self.compiled, self.specialized):
+                sources = [*(self._sources or []), None, None][:2]
+                for model, source in zip((self.compiled, self.specialized), sources, strict=True):
                     if model is None:
                         copies.append(None)
-                        continue
-                    blob = io.BytesIO()
-                    model.export_model(blob)
-                    blob.seek(0)
-                    copies.append(_core().import_model(blob, "CPU", self._config))
+                    elif source is not None:
+                        copies.append(_core().compile_model(source, "CPU", self._config))
+                    else:
+                        blob = io.BytesIO()
+                        model.export_model(blob)
+                        blob.seek(0)
+                        copies.append(_core().import_model(blob, "CPU", self._config))
                 self._copy = (copies[0], copies[1])
             return self._copy
 

@@ -148,6 +148,15 @@ def test_the_most_common_shape_gets_a_model_of_its_own_and_every_shape_stays_wit
     assert varied.fn._copy is None
     unasked = _build(OpenVinoBackend(num_threads=1, specialize=False), module, [hot, hot], dynamic=True)
     assert varied.fn.specialized is None and unasked.fn.specialized is None
+    # The copy is compiled from the models compiled (OpenVINO lets go of the GIL then); a build imported from the
+    # cache has none kept, and its copy is imported from its compiled model.
+    unasked.fn._sources = None
+    for runner in (built.fn, unasked.fn):
+        with torch.no_grad():
+            runner(*other)  # a caller's call
+            with on_the_worker():
+                torch.testing.assert_close(runner(*other), module(*other), **FP32)
+        assert runner._copy[0] is not runner.compiled
     assert OpenVinoBackend(specialize=False).describe() == "openvino(door=onnx, specialize=False)"
 
 
