@@ -4,6 +4,7 @@ one-off cost (OpenVINO converting and compiling the model whole).
 
     python benchmarks/anytime.py                                   # both workloads, the docs' recipes
     python benchmarks/anytime.py --workloads minilm --precision fp32 --out /tmp/anytime.md
+    python benchmarks/anytime.py --workloads minilm --timeline /tmp/t --stalls /tmp/s   # every call; every GIL stall
 
 Traffic, one call after another in one thread, from `enable_aitune` on, until the final plan (no search left, every
 target decided, nothing waiting on the worker) and 10 more calls, or `--seconds`:
@@ -27,6 +28,9 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
+import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -155,8 +159,45 @@ class _Flat(torch.nn.Module):
         return out
 
 
+class StallProbe:
+    """A thread that sleeps 1 ms again and again: a wake-up later than `STALL_S` is a stall of every thread that needs
+    the GIL (or a core), a caller's included. Each is recorded with what aitune_hf's worker thread ran just after it
+    (its innermost frames): what held the GIL, or the next step after it."""
+
+    STALL_S = 0.015
+
+    def __init__(self, origin: float) -> None:
+        self.origin, self.stalls, self._stop = origin, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            before = time.monotonic()
+            time.sleep(0.001)
+            late = time.monotonic() - before
+            if late > self.STALL_S:
+                frames = sys._current_frames()
+                worker = next((t for t in threading.enumerate() if t.name.startswith("aitune_hf worker")), None)
+                stack = traceback.extract_stack(frames[worker.ident]) if worker and worker.ident in frames else []
+                where = " < ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in stack[::-1][:6])
+                self.stalls.append((before - self.origin, late, where or "-"))
+
+    def write(self, path: Path) -> None:
+        self._stop.set()
+        self._thread.join()
+        with open(path, "w") as out:
+            out.writelines(f"{t:.2f}\t{late * 1e3:.0f}\t{where}\n" for t, late, where in self.stalls)
+
+
 def run(
-    name: str, traffic: tuple, targets: str, precision: str, seconds: float, timeline_out: Path | None = None
+    name: str,
+    traffic: tuple,
+    targets: str,
+    precision: str,
+    seconds: float,
+    timeline_out: Path | None = None,
+    stalls_out: Path | None = None,
 ) -> list[str]:
     make, calls, peer = traffic
     plain = make()
@@ -178,6 +219,7 @@ def run(
     # armed before every target was decided tunes inside itself: a shape family met for the first time.
     timeline: list[tuple[float, float, bool, str]] = []
     with torch.inference_mode(), Stopwatch() as since:
+        probe = StallProbe(time.monotonic()) if stalls_out is not None else None
         registration = enable_aitune(model, targets, precision=precision, progress=False)
         after_final = 0
         index = 0
@@ -208,6 +250,8 @@ def run(
                 break
         registration.wait(timeout=60)
         report = registration.report()
+    if probe is not None:  # seconds since enable, ms late, the worker's innermost frames
+        probe.write(stalls_out.with_suffix(f".{name}.tsv"))
     plans = registration.plan_seconds
     if timeline_out is not None:  # every call: when it began, x plain, searching, what went on
         with open(timeline_out.with_suffix(f".{name}.tsv"), "w") as out:
@@ -272,6 +316,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=240.0, help="the traffic's longest run")
     parser.add_argument("--out", type=Path, default=RESULTS / "anytime.md")
     parser.add_argument("--timeline", type=Path, default=None, help="also write every call's row: FILE.<workload>.tsv")
+    parser.add_argument(
+        "--stalls",
+        type=Path,
+        default=None,
+        help="also record the stalls of a thread that needs the "
+        "GIL, with what the worker ran: FILE.<workload>.tsv (a probe thread: figures move a little)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows, details = [], []
@@ -279,7 +330,7 @@ def main() -> None:
         for name in args.workloads.split(","):
             traffic = minilm_traffic() if name == "minilm" else sd_traffic(Path(folder))
             targets = args.targets or ("auto" if name == "minilm" else "blocks")
-            lines = run(name, traffic, targets, args.precision, args.seconds, args.timeline)
+            lines = run(name, traffic, targets, args.precision, args.seconds, args.timeline, args.stalls)
             rows.append(lines[0])
             details += lines[1:]
     text = "\n".join([
