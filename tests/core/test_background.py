@@ -213,7 +213,8 @@ def test_a_search_waiting_for_quiet_gives_way_to_a_check_queued_behind_it() -> N
 def test_a_search_step_goes_behind_every_check_queued() -> None:
     """A new shape is served eager until its check passes, and a search step takes seconds: a step queued behind one
     check only left MiniLM's single queries eager through the whole search while 8 checks waited. The next step now
-    waits for every check queued before it; a check queued after it waits for it (the search always progresses)."""
+    waits for every check queued before it; a check queued after it waits for it (the search always progresses). A check
+    pauses for a caller's call in flight, but not with a search step queued behind it."""
     from aitune_hf.core.background import BackgroundTuner
 
     tuner = BackgroundTuner("order test")
@@ -235,10 +236,14 @@ def test_a_search_step_goes_behind_every_check_queued() -> None:
         time.sleep(0.01)
     for name in ("check a", "check b", "check c"):
         assert tuner.submit_check(name, functools.partial(ran.append, name), lambda: None)
+    with tuner.serving():  # a caller's call in flight: a check pauses, unless a search step waits behind it
+        assert tuner._busy()
+        tuner.submit_search("search", lambda: ran.append("step 0"), key="step 0")
+        assert not tuner._busy()
     release.set()
-    while len(ran) < 4:  # step 1 has queued step 2 behind the three checks: one more check now goes behind step 2
+    while len(ran) < 5:  # step 1 has queued step 2 behind the checks and step 0: one more check now goes behind step 2
         time.sleep(0.001)
     assert tuner.submit_check("check d", functools.partial(ran.append, "check d"), lambda: None)
     assert tuner.wait(10)
-    assert ran == ["step 1", "check a", "check b", "check c", "step 2", "check d"], ran
+    assert ran == ["step 1", "check a", "check b", "check c", "step 0", "step 2", "check d"], ran
     tuner.stop()
