@@ -157,3 +157,21 @@ def test_an_engine_that_kills_the_build_process_costs_a_candidate_not_this_proce
     refused = r"(?s)a ReLU, run first in the build process, failed there .*NO_SUCH_PROPERTY"
     with pytest.raises(CandidateUnavailable, match=refused):
         run_elsewhere_first(model, {"NO_SUCH_PROPERTY": 1}, feeds, "a ReLU")
+
+
+def test_a_block_goes_to_the_build_process_with_its_weights_out_of_band() -> None:
+    """A block's weights go to the build process as buffers sharing its memory (`pickle_out_of_band`), not inside the
+    pickle: each load of it is a copy of its own, equal to the block."""
+    import pickle
+
+    from aitune_hf.backends.base import pickle_out_of_band
+
+    module = MLP().eval()
+    data, buffers = pickle_out_of_band(module)
+    assert len(data) < 4096 and sum(buffer.raw().nbytes for buffer in buffers) >= 4 * module.up.weight.numel()
+    first, second = (pickle.loads(data, buffers=[b.raw().tobytes() for b in buffers]) for _ in range(2))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(first(x), module(x), rtol=0, atol=0)
+        first.up.weight.add_(1.0)  # its own memory: neither the block nor another load sees it
+        torch.testing.assert_close(second(x), module(x), rtol=0, atol=0)

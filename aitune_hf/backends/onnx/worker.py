@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.utils._pytree as pytree
 
-from aitune_hf.backends.base import run_in_build_process
+from aitune_hf.backends.base import pickle_out_of_band, run_in_build_process
 from aitune_hf.backends.onnx.export import export_flat, first_that_traces, private_twin, trace_flat
 from aitune_hf.errors import TuningError
 
@@ -110,14 +110,13 @@ class WorkerBuild:
             twin, twin_forward = private_twin(module, forward)
             # The forward's function, not the bound method: a bound method pickles by attribute name, which on the
             # copy may find another forward (the tuning core's router is an instance attribute).
-            payload = pickle.dumps(
-                (twin, twin_forward.__func__, layout.weights, layout.in_leaves), protocol=pickle.HIGHEST_PROTOCOL
-            )
+            payload, buffers = pickle_out_of_band((twin, twin_forward.__func__, layout.weights, layout.in_leaves))
         except Exception:
             logger.debug("aitune_hf: the block cannot go to the build process; exporting here", exc_info=True)
             return None
         return {
             "payload": payload,
+            "buffers": buffers,
             "spec": layout.in_spec,
             "tensor_positions": layout.tensor_positions,
             "training": module.training,
@@ -183,7 +182,7 @@ def build_in_worker(
 
         def fresh() -> tuple[torch.nn.Module, Any, dict[str, torch.Tensor], list[Any]]:
             """A fresh copy and fresh example tensors per attempt: a failed trace leaves symbolic state on them."""
-            twin, function, weights, in_leaves = pickle.loads(job["payload"])
+            twin, function, weights, in_leaves = pickle.loads(job["payload"], buffers=job["buffers"])
             return twin, types.MethodType(function, twin), weights, in_leaves
 
         flat = (job["spec"], job["tensor_positions"], job["training"])
