@@ -331,7 +331,7 @@ class OpenVinoBackend(Backend):
             if obtained.worker is not None and obtained.worker.exported is not None:
                 # The build process's file, read into memory by OpenVINO, which lets go of the GIL while it reads.
                 model = _read(Path(obtained.worker.exported))
-            else:  # serialising holds the GIL (a whole MiniLM: 160-170 ms; beside a search's traffic, up to 0.65 s)
+            else:  # serialising holds the GIL (a MiniLM-sized BERT: 160-170 ms; in a search under traffic, 0.65 s)
                 model = _core().read_model(io.BytesIO(obtained.model_proto.SerializeToString()))
         finally:
             if obtained.worker is not None:
@@ -457,8 +457,8 @@ def _convert_in_worker(folder: Path, program: Any, input_names: list[str], outpu
 def _read(path: Path) -> Any:
     """The model file `path` (IR or ONNX), read into memory (not mapped from a file the build process's folder holds,
     deleted once read) by OpenVINO, which lets go of the GIL while it reads: the callers' calls go on (measured on a
-    whole MiniLM: 10-60 ms, calls stalled 5 ms at most; a weights tensor made from the bytes here held the GIL 80-280
-    ms)."""
+    MiniLM-sized BERT: 10-60 ms, a thread needing the GIL stalled 5 ms at most; a weights tensor made from the bytes
+    here held the GIL 80 ms, 280 ms in a search beside MiniLM traffic)."""
     return _core().read_model(str(path), config={"ENABLE_MMAP": False})
 
 
@@ -725,9 +725,9 @@ class _InferRunner:
             for specialized, model in ((False, self.compiled), (True, self.specialized)) if model is not None
         }  # fmt: skip
         #: The properties the models were compiled with, and the `openvino.Model`s compiled (None: imported from the
-        #: cache). Kept for the worker's copy: the compiled models hold their weights anyway (measured on a whole
-        #: MiniLM: the process's memory the same with the model kept or dropped). The worker's copy, made at its first
-        #: call, or None.
+        #: cache). Kept for the worker's copy: the compiled models hold their weights anyway (measured on a MiniLM-sized
+        #: BERT, f32 and bf16: the process's memory the same with the model kept or dropped). The worker's copy, made at
+        #: its first call, or None.
         self._config = config
         self._sources = sources
         self._copy: tuple[Any, Any] | None = None
