@@ -50,6 +50,10 @@ class BuiltBackend:
     fn: Callable[..., Any]
     bakes_weights: bool = False
     artifacts: list[Path] = field(default_factory=list)
+    #: Writes `artifacts` when the cache stores this build as a decision (`core.cache`), rather than at build time: for
+    #: a backend whose writing holds the GIL (OpenVINO's `export_model`), only a build that wins writes, and the
+    #: candidates a search builds beside the callers' calls write nothing. None: written by `build` already.
+    write_artifacts: Callable[[], None] | None = None
     #: For a build with `dynamic=True`: per tensor leaf of the call (in pytree order), the dimensions whose size
     #: may differ from the samples'; every other dimension must match. None: the samples' exact shapes only.
     dynamic_dims: tuple[frozenset[int], ...] | None = None

@@ -6,6 +6,7 @@ precision, one compiled model per shape family, one infer request per calling th
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import logging
@@ -291,13 +292,10 @@ class OpenVinoBackend(Backend):
         for compiled in models:
             _check_precision(compiled, config["INFERENCE_PRECISION_HINT"])
         artifacts: list[Path] = []
+        write: Callable[[], None] | None = None
         if place is not None and cached is None:
-            folder = place.save()
-            for index, compiled in enumerate(models):
-                blob = io.BytesIO()
-                compiled.export_model(blob)
-                (folder / _BLOB_FILES[index]).write_bytes(blob.getvalue())
-            artifacts = [folder]
+            artifacts = [place.save()]
+            write = functools.partial(_export_blobs, list(models), artifacts[0])
         runner = _InferRunner(models, layout, source, config, sources)
         if self.precision == "int8":
             runner.int8_layers = _int8_layers(models[0], linear if cached is None else {})
@@ -308,6 +306,7 @@ class OpenVinoBackend(Backend):
             artifacts=artifacts,
             dynamic_dims=runner.free_dims() if dynamic else None,
             loaded=cached is not None,
+            write_artifacts=write,
             reused=source == "reused",
             start=runner.start,
         )
@@ -452,6 +451,15 @@ def _convert_in_worker(folder: Path, program: Any, input_names: list[str], outpu
     xml = folder / "model.xml"
     openvino.save_model(_converted(program, input_names, output_names), str(xml), compress_to_fp16=False)
     return {"xml": str(xml), "bin": str(xml.with_suffix(".bin"))}
+
+
+def _export_blobs(models: list[Any], folder: Path) -> None:
+    """The compiled models' blobs, written into the cache's folder for them when the cache stores the build
+    (`BuiltBackend.write_artifacts`): `export_model` holds the GIL (a MiniLM-sized BERT: 80 ms a model)."""
+    for index, compiled in enumerate(models):
+        blob = io.BytesIO()
+        compiled.export_model(blob)
+        (folder / _BLOB_FILES[index]).write_bytes(blob.getvalue())
 
 
 def _read(path: Path) -> Any:

@@ -561,6 +561,9 @@ class Consultation:
             built = decision.built
             staged = built is not None and not built.loaded and built.artifacts
             if staged and built.artifacts[0].parent == self.place.staging:
+                if built.write_artifacts is not None:
+                    built.write_artifacts()
+                    built.write_artifacts = None  # written once, whoever stores it next
                 name = self.place.name(decision.backend, built.bakes_weights)
                 cache.write_artifact(self.key, name, built.artifacts[0])
             reports = [decision.report] + ([owner.report] if owner is not None else [])

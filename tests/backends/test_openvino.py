@@ -348,6 +348,26 @@ def test_the_torch_export_door_gives_a_query_that_sees_no_key_zeros_as_torch_doe
         torch.testing.assert_close(got, module(*call), **FP32)
 
 
+def test_a_build_writes_its_blobs_only_when_the_cache_stores_it(tmp_path: Path) -> None:
+    """`export_model` holds the GIL: a build leaves its cache folder empty, and writes the compiled models' blobs when
+    the cache stores it as a decision (`BuiltBackend.write_artifacts`); a candidate that loses writes nothing."""
+    from aitune_hf.backends.base import ArtifactPlace
+
+    class Place(ArtifactPlace):
+        def load(self, backend: object, bakes_weights: bool) -> None:
+            return None
+
+        def save(self) -> Path:
+            return tmp_path
+
+    module = BertBlock()
+    with build_context(place=Place()):
+        built = _build(OpenVinoBackend(num_threads=1), module, [_bert_call(2, 8)] * 2, dynamic=True)
+    assert built.artifacts == [tmp_path] and not list(tmp_path.iterdir())
+    built.write_artifacts()
+    assert {p.name for p in tmp_path.iterdir()} == {"model.ov.blob", "model.static.ov.blob"}
+
+
 def test_a_warm_cache_imports_the_compiled_model_in_f32(tmp_path: Path) -> None:
     call = _bert_call(2, 8)
     config = {**QUICK, "backends": [OpenVinoBackend(door="onnx")], "min_speedup": 0, "cache_dir": str(tmp_path)}
