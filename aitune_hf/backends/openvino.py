@@ -279,8 +279,7 @@ class OpenVinoBackend(Backend):
                 logger.warning("aitune_hf: a cached OpenVINO model could not be loaded (%s); compiling afresh", error)
                 cached = None
         if cached is None:
-            read = self._through_onnx if self.through == "onnx" else self._through_program
-            model, source = read(layout, module, forward, samples)
+            model, source = self._model(layout, module, forward, samples)
             if self.precision == "int8" and not (linear := _compress_int8(model, module)):
                 raise CandidateUnavailable("no linear layer with constant weights: nothing here computes in int8")
             models = [_core().compile_model(model, "CPU", config)]
@@ -311,20 +310,31 @@ class OpenVinoBackend(Backend):
             start=runner.start,
         )
 
+    def _model(
+        self, layout: CallLayout, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]
+    ) -> tuple[Any, str]:
+        """The call's model through this instance's door (`_through_onnx`, `_through_program`) and how it was
+        obtained, once per call and door in a tuning and the search after it (`BuildContext.shared`): each precision's
+        build starts from a copy of it (int8 compresses its copy's weights). Never one made from an identical module's
+        work ("reused"): a build from it that fails its check is built again afresh (`TuningJob.try_backend`)."""
+        build = current_build()
+        key = ("openvino model", self.through, sibling_key(module, layout.in_leaves, layout.in_spec, layout.dynamic))
+        if build.shared is not None and key in build.shared:
+            return build.shared[key].clone(), "shared"
+        read = self._through_onnx if self.through == "onnx" else self._through_program
+        model, how = read(layout, module, forward, samples)
+        if build.shared is not None and how != "reused":
+            build.shared[key] = model.clone()
+        return model, how
+
     def _through_onnx(
         self, layout: CallLayout, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]
     ) -> tuple[Any, str]:
         """The door through the ONNX export: the export obtained (`onnx.model.obtain`: shared, reused, made in the
-        build process for background tuning, or here), read by OpenVINO's ONNX frontend. One read per call in a tuning
-        and the search after it: each precision's build starts from a copy of it (int8 compresses its copy's
-        weights)."""
-        build = current_build()
-        key = ("openvino read onnx", sibling_key(module, layout.in_leaves, layout.in_spec, layout.dynamic))
-        if build.shared is not None and key in build.shared:
-            return build.shared[key].clone(), "shared"
+        build process for background tuning, or here), read by OpenVINO's ONNX frontend."""
         obtained = obtain(
             layout, module, forward, samples, owner=self._own, opset_version=self.opset_version, reusable=True,
-            offload=build.private_only,
+            offload=current_build().private_only,
         )  # fmt: skip
         try:
             if obtained.worker is not None and obtained.worker.exported is not None:
@@ -335,8 +345,6 @@ class OpenVinoBackend(Backend):
         finally:
             if obtained.worker is not None:
                 obtained.worker.remove()
-        if build.shared is not None and obtained.how != "reused":  # a reused export that fails its check is built
-            build.shared[key] = model.clone()  # again afresh (`TuningJob.try_backend`): never from this one
         return model, obtained.how
 
     def _through_program(
@@ -349,11 +357,6 @@ class OpenVinoBackend(Backend):
         this process reads the converted model."""
         names = (layout.input_names, layout.output_names)
         build = current_build()
-        # One conversion per call in a tuning: each precision's build starts from a copy of it (int8 compresses its
-        # copy's weights).
-        key = ("openvino converted", sibling_key(module, layout.in_leaves, layout.in_spec, layout.dynamic))
-        if build.shared is not None and key in build.shared:
-            return build.shared[key].clone(), "shared"
         # For background tuning (and the search after a first plan), the trace and conversion run in the build process:
         # the conversion is Python that holds the GIL for up to 0.36 s at a time (a whole MiniLM: 2.8 s alone, 13 s in
         # this process beside sentence-transformers traffic).
@@ -376,8 +379,6 @@ class OpenVinoBackend(Backend):
                 model, how = _read(Path(worker.made["xml"])), "export"
             finally:
                 worker.remove()
-        if build.shared is not None:
-            build.shared[key] = model.clone()
         return model, how
 
 
