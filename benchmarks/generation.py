@@ -6,9 +6,11 @@ aitune_hf.
     python benchmarks/generation.py --quick          # smoke run: llama, 16 new tokens, 2 rounds
 
 optimum-intel installs in a venv of its own (it pins Transformers below this project's, and its default torch is a
-CUDA build): `python -m venv ~/ovenv && ~/ovenv/bin/pip install -c constraints.txt "optimum-intel[openvino]"`, then
-pass its Python as `--optimum-python` (or `AITUNE_OPTIMUM_PYTHON`); without it the openvino_* rows say "not run". Its
-workers import this checkout's aitune_hf for the timer only.
+CUDA build): `python -m venv ~/ovenv && ~/ovenv/bin/pip install -c constraints.txt "optimum-intel[openvino]"
+&& ~/ovenv/bin/pip uninstall -y torchvision` (PyPI's torchvision, which it pulls, fails beside the pinned CPU torch:
+"operator torchvision::nms does not exist", and Transformers then cannot import `AutoProcessor`), then pass its Python
+as `--optimum-python` (or `AITUNE_OPTIMUM_PYTHON`); without it the openvino_* rows say "not run". Its workers import
+this checkout's aitune_hf for the timer only.
 
 Models: built from `LlamaConfig` / `Qwen3Config` / `BartConfig` with random weights (seed 0; hidden 256, 4 layers
 (BART: 4 encoder and 4 decoder layers), 4 heads, 2 KV heads (BART: 4), intermediate 512, vocabulary 1024,
