@@ -175,6 +175,15 @@ class OnnxRuntimeBackend(Backend):
     def bakes_weights(self) -> bool:  # type: ignore[override]
         return self.weights == "baked"
 
+    @property
+    def build_cost(self) -> str:  # type: ignore[override]
+        """The int8 variant is a slow build: its dynamic quantization of a whole MiniLM takes 8-21 s (18.3 s on an Ice
+        Lake Xeon without bf16, where it was the first int8 candidate built, delayed the first tuned call to 37.8 s and
+        did not serve), OpenVINO's int8 of the same export 2.6 s. As a slow build it comes after the cheap ones of its
+        precision and is skipped where one of them won clearly (`MinLatency`), as `cannot_win` skips it in the search;
+        where none did (or OpenVINO is not installed) it is built as before."""
+        return "slow" if self.precision == "int8" else "cheap"
+
     def with_precision(self, precision: str) -> OnnxRuntimeBackend | None:
         if precision == self.precision:
             return self
