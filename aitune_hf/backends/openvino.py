@@ -540,12 +540,15 @@ def _compress_int8(model: Any, module: torch.nn.Module) -> dict[str, str]:
     import numpy as np
     from openvino import opset13 as ops
 
-    # The module's linear weights by value, (out, in) as a Linear holds them: what names a compressed layer.
-    owners = {
-        (tuple(tensor.shape), tensor.detach().float().cpu().numpy().tobytes()): name.removesuffix(".weight")
-        for name, tensor in module.named_parameters()
-        if tensor.dim() == 2 and tensor.is_floating_point()
-    }
+    # The module's linear weights by value, (out, in) as a Linear holds them: what names a compressed layer. Found by
+    # their shape and a few values spread over them, then compared whole (`np.array_equal`, a ufunc: it lets go of the
+    # GIL); keyed by every value's bytes, this held the GIL for 88 ms on a whole MiniLM (a copy of every weight, twice),
+    # the worst stall of the callers' calls while the search built OpenVINO's int8 on the worker.
+    owners: dict[tuple[Any, ...], list[tuple[str, Any]]] = {}
+    for name, tensor in module.named_parameters():
+        if tensor.dim() == 2 and tensor.is_floating_point():
+            values = tensor.detach().float().cpu().numpy()
+            owners.setdefault(_weight_key(values), []).append((name.removesuffix(".weight"), values))
     compressed: dict[str, str] = {}
     for node in model.get_ordered_ops():
         if node.get_type_name() != "MatMul":
@@ -568,7 +571,10 @@ def _compress_int8(model: Any, module: torch.nn.Module) -> dict[str, str]:
         node.output(0).replace(replacement.output(0))
         # The runtime layer it becomes (a FullyConnected) is named after the MatMul, or after the Add of its bias where
         # the plugin fuses that in: both name it (`_int8_layers`).
-        name = owners.get((rows.shape, rows.tobytes()), node.get_friendly_name())
+        name = next(
+            (owner for owner, values in owners.get(_weight_key(rows), ()) if np.array_equal(values, rows)),
+            node.get_friendly_name(),
+        )
         compressed[node.get_friendly_name()] = name
         for user in replacement.output(0).get_target_inputs():
             if user.get_node().get_type_name() == "Add":
@@ -576,6 +582,13 @@ def _compress_int8(model: Any, module: torch.nn.Module) -> dict[str, str]:
     if compressed:
         model.validate_nodes_and_infer_types()
     return compressed
+
+
+def _weight_key(values: Any) -> tuple[Any, ...]:
+    """A weight matrix's shape and 64 of its values spread over it (8 rows by 8 columns, read through a view: a
+    transposed matrix is not copied): where two keys are equal, the matrices are compared whole."""
+    rows, columns = values.shape
+    return (values.shape, values[:: max(1, rows // 8), :: max(1, columns // 8)].tobytes())
 
 
 def _int8_layers(compiled: Any, compressed: dict[str, str]) -> dict[str, str]:
