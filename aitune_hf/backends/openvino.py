@@ -585,8 +585,9 @@ def _compress_int8(model: Any, module: torch.nn.Module) -> dict[str, str]:
 
 
 def _weight_key(values: Any) -> tuple[Any, ...]:
-    """A weight matrix's shape and 64 of its values spread over it (8 rows by 8 columns, read through a view: a
-    transposed matrix is not copied): where two keys are equal, the matrices are compared whole."""
+    """A weight matrix's shape and about 64 of its values spread over it (every `rows // 8`-th row and `columns // 8`-th
+    column, read through a view: a transposed matrix is not copied): where two keys are equal, the matrices are
+    compared whole."""
     rows, columns = values.shape
     return (values.shape, values[:: max(1, rows // 8), :: max(1, columns // 8)].tobytes())
 

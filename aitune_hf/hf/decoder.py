@@ -389,10 +389,10 @@ class _Stepper:
             index["attention_mask"]: tensor(np.ascontiguousarray(mask.to(torch.long).numpy()), shared_memory=True),
             index["position_ids"]: tensor(np.ascontiguousarray(positions.to(torch.long).numpy()), shared_memory=True),
         }
-        # The engine's own `infer` (`openvino.InferRequest`'s base): the Python wrapper's also copies every output into
-        # new arrays (`share_outputs=False`) and dispatches the feed by type, a fifth of a 4-layer, 256-wide Llama's
-        # decode step outside the engine on an Ice Lake Xeon (1.61 against 1.34 ms a step with the engine's, medians
-        # of 15 rounds of 39 steps). The outputs are read below from the request's own tensors, as before.
+        # The engine's own `infer` (`openvino.InferRequest`'s base): the Python wrapper also copies every output into
+        # new arrays (`share_outputs=False`) and dispatches the feed by type, 0.27 ms of a 4-layer, 256-wide Llama's
+        # 1.61 ms decode step on an Ice Lake Xeon (1.34 ms through the engine's own, medians of 15 rounds of 39
+        # steps). The outputs are read below from the request's own tensors, as before.
         super(openvino.InferRequest, request).infer(feeds, True, True)
         output = request.get_output_tensor
         # A view of the request's buffer: `update` concatenates its rows into new tensors before the next step.
