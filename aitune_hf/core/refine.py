@@ -250,6 +250,11 @@ class Refinement:
             entry.store(found or self.decision, self.job.signatures, new_decision=True)
         if found is None:
             self.outcome = f"searched {self._left} more candidate(s) on the worker; {self._first} stays the fastest"
+        elif found.backend is None:
+            self.outcome = (
+                f"searched {self._left} more candidate(s) on the worker: eager replaced the first plan, {self._first} "
+                f"({report.reason})"
+            )
         else:
             speed = next((c.speedup for c in report.candidates if c.backend == report.chosen), None)
             self.outcome = (
@@ -266,9 +271,14 @@ class Refinement:
     def _apply(self, follower: _Follower, found: Decision) -> None:
         """The final decision for an identical sibling: its winner built with the sibling's weights, checked on the
         sibling's own recorded calls; where that fails the sibling keeps its first plan."""
-        if not follower.target.serves(follower.route) or found.backend is None:
+        if not follower.target.serves(follower.route):
             return
         job = follower.job
+        if found.backend is None:  # eager led the search: the sibling's copy of the first plan goes too
+            job.report.first_plan, job.report.eager_latency_s = self._first, found.report.eager_latency_s
+            job.report.search = f"took eager from the search of {self._name()}"
+            follower.target.replace_route(follower.route, job.keep_eager(found.report.reason or "eager led"))
+            return
         with build_context(sibling=True):
             result, built = job.try_backend(found.backend)
         if built is None:

@@ -60,7 +60,11 @@ class _RandomDrawWatch(TorchDispatchMode):
 @contextlib.contextmanager
 def no_random_draws() -> Iterator[None]:
     """Raise `DrawsRandomNumbers`, before it draws, when code in the block (in this thread) would draw a random
-    number."""
+    number. The first operator a process dispatches to a Python mode imports `torch._dynamo` (torch's lazy import: 1.6
+    s of a 40 ms replay, measured): imported first, so that the replay's seconds (eager's, which a first plan's
+    estimate is set against: `TuningJob.estimate`) are the forward's."""
+    import torch._dynamo  # noqa: F401
+
     with _RandomDrawWatch():
         yield
 

@@ -166,6 +166,11 @@ class TuningJob:
         #: The fastest plan the search has timed so far (`MinLatency.refine_step`): the first plan, until one is timed
         #: faster than it.
         self.leader: tuple[Backend, CandidateResult, BuiltBackend] | None = None
+        #: The first plan's figures are its check's estimate (`_far_ahead`) or a few rounds' (`_first_look`): the search
+        #: times it against eager first.
+        self.first_look = False
+        #: Why eager leads the search (its first plan timed not faster than eager, nothing faster since), or None.
+        self.eager_leads: str | None = None
         #: Per candidate, the seconds each recorded call took in its check (`estimate`).
         self._check_seconds: dict[str, list[float]] = {}
         self._identical: set[str] = set()  # candidates whose build was an earlier build itself (`try_backend`)
@@ -222,6 +227,9 @@ class TuningJob:
         self.guards: dict[str, ModuleGuard] = {}
         #: The latest (lower, upper) confidence bounds of each timed candidate's speed-up (`timing.median_bounds`).
         self.bounds: dict[str, tuple[float, float]] = {}
+        #: The speed-ups of each timed candidate's latest timed rounds, one per round (paired with eager, or with what
+        #: it was timed against, times that one's speed-up).
+        self.ratios: dict[str, list[float]] = {}
 
     def _references(self, forward: Callable[..., Any], replayable: list[tuple[Any, Sample]], hot: set[Any]) -> None:
         """Replay every recorded call eager: the references the candidates are checked against (and which calls of
@@ -388,6 +396,7 @@ class TuningJob:
         thresholds: Sequence[float] | None = None,
         against: tuple[CandidateResult, BuiltBackend] | None = None,
         rounds: int | None = None,
+        warmup: int | None = None,
     ) -> list[CandidateResult]:
         """Time eager and the candidates side by side until each speed-up is decided against `thresholds` (default:
         `config.min_speedup`), at most `config.repeats` rounds (`timing.time_until_settled`); fills latencies,
@@ -397,7 +406,8 @@ class TuningJob:
         eager's place: each speed-up is then its paired ratio to `against` times `against`'s speed-up (two ratios, each
         paired in its own rounds), its latency `against`'s over that ratio, and the thresholds are ratios to
         `against`. A search at batch 32 of a whole MiniLM then runs OpenVINO's 0.25 s call in each round where eager's
-        1 s call ran. `rounds`: at most this many timed rounds (default `config.repeats`).
+        1 s call ran. `rounds`: at most this many timed rounds (default `config.repeats`); `warmup`: untimed rounds
+        before them (default `config.warmup`).
 
         Returns the candidates that survived; one that raised while being timed gets its error recorded.
         """
@@ -424,7 +434,7 @@ class TuningJob:
                 fns,
                 calls,
                 self.devices,
-                self.config.warmup,
+                self.config.warmup if warmup is None else warmup,
                 rounds or self.config.repeats,
                 baseline="eager",
                 thresholds=thresholds,
@@ -453,6 +463,7 @@ class TuningJob:
             result.rounds = timing.timed[result.backend]  # fewer where it was retired early
             low, high = timing.bounds[result.backend]
             self.bounds[result.backend] = (low * scale, high * scale)
+            self.ratios[result.backend] = [ratio * scale for ratio in timing.ratios[result.backend]]
             survivors.append(result)
         return survivors
 
@@ -616,19 +627,36 @@ class MinLatency(Strategy):
 
     def refine_step(self, job: TuningJob, current: Decision) -> bool:
         """One step of the search the first plan (`current`) left, off the callers' threads (`core/refine.py`); True
-        while steps are left. Where the first plan's figures are its check's estimate (`_far_ahead`), the first step
-        times it against eager. Each later step builds and checks the next deferred candidate as `decide` does
-        (skipped where the evidence says it cannot win: `_precision_lost`, `_cannot_win`), and times it side by side
-        with the fastest plan so far (`TuningJob.time(against=...)`): it leads from then on where it was timed faster by
-        `SWITCH_MARGIN`."""
-        leader = job.leader or next((c for c in job.contenders if c[1].backend == current.report.chosen), None)
-        if leader is None or job.halted():
+        while steps are left. Where the first plan's figures are its check's estimate (`_far_ahead`) or a few rounds'
+        (`_first_look`), the first step times it against eager; where that shows it not faster than eager
+        (`config.min_speedup`), eager leads (`TuningJob.eager_leads`). Each later step builds and checks the next
+        deferred candidate as `decide` does (skipped where the evidence says it cannot win: `_precision_lost`,
+        `_cannot_win`), and times it side by side with the fastest plan so far (`TuningJob.time(against=...)`; beside
+        eager where eager leads): it leads from then on where it was timed faster by `SWITCH_MARGIN`."""
+        leader = job.leader
+        if leader is None and job.eager_leads is None:
+            leader = next((c for c in job.contenders if c[1].backend == current.report.chosen), None)
+            if leader is None or job.halted():
+                job.deferred = []
+                return False
+        if job.halted():
             job.deferred = []
             return False
         job.leader = leader
-        if not leader[1].rounds:  # an estimate: timed against eager first
-            job.time([(leader[1], leader[2])])
+        if leader is not None and job.first_look:  # an estimate, or a few rounds: timed against eager first
+            job.first_look = False
+            # After a first look both ran the calls warm (the plan in its rounds, eager in the traffic): no warm-up.
+            survivors = job.time([(leader[1], leader[2])], warmup=0 if leader[1].rounds else None)
             _record_timed(job)
+            speed, failed = leader[1].speedup or 0.0, all(r is not leader[1] for r in survivors)
+            if failed or speed < job.config.min_speedup:
+                job.leader = None
+                job.eager_leads = (
+                    f"{leader[1].backend}, the first plan, failed while timed by the search: {leader[1].error}"
+                    if failed
+                    else f"{leader[1].backend}, the first plan, was timed by the search at {speed:.2f}x eager "
+                    f"(needs {job.config.min_speedup:.2f}x)"
+                )
             return bool(job.deferred)
         if not job.deferred:
             return False
@@ -642,19 +670,27 @@ class MinLatency(Strategy):
             # A switch needs confidence: at least the rounds the sign test needs for a bound (`timing.MIN_ROUNDS`), and
             # no more than `SEARCH_ROUNDS`: a lead not shown by then is within the noise, and the plan stays.
             rounds = max(min(job.config.repeats, SEARCH_ROUNDS), MIN_ROUNDS)
-            if built is not None and job.time([(result, built)], (1 + SWITCH_MARGIN,), leader[1:], rounds):
+            base = (leader[1].speedup or 1.0) if leader is not None else 1.0
+            need = 1 + SWITCH_MARGIN if leader is not None else max(job.config.min_speedup, 1 + SWITCH_MARGIN)
+            against = leader[1:] if leader is not None else None
+            if built is not None and job.time([(result, built)], (need,), against, rounds):
                 job.contenders.append((backend, result, built))
-                low = job.bounds[result.backend][0] / (leader[1].speedup or 1.0)
-                if low > 1.0 and (result.speedup or 0.0) >= (leader[1].speedup or 0.0) * (1 + SWITCH_MARGIN):
-                    job.leader = (backend, result, built)
+                low = job.bounds[result.backend][0] / base
+                if low > 1.0 and (result.speedup or 0.0) >= base * need:
+                    job.leader, job.eager_leads = (backend, result, built), None
             _record_timed(job)
         return bool(job.deferred)
 
     def refine(self, job: TuningJob, current: Decision) -> Decision | None:
         """The end of the search (`refine_step`): the decision of the plan that led, where it is not the first plan
-        (its fallback, for reduced precision, the fastest fp32 candidate timed), else None: the first plan serves on."""
+        (its fallback, for reduced precision, the fastest fp32 candidate timed), eager's where eager led (the first
+        plan timed slower than eager, and nothing faster found), else None: the first plan serves on."""
+        if job.halted():
+            return None
+        if job.eager_leads is not None and job.leader is None:
+            return job.keep_eager(job.eager_leads)
         leader = job.leader
-        if leader is None or leader[1].backend == current.report.chosen or job.halted():
+        if leader is None or leader[1].backend == current.report.chosen:
             return None
         fp32 = [c[0] for c in job.contenders if c[0].precision == "fp32"]
         fallback, fp32_lost = _fallback(job, leader[0], job.contenders, fp32 or None)
@@ -718,15 +754,27 @@ class MinLatency(Strategy):
                 if not built_now:
                     continue
                 later = [b for rest in steps[index + 1 :] for b in rest]
-                if len(steps) > 1 and later and not timed and _far_ahead(job, built_now[0][1], clear):
-                    # A first plan that wins by far on its check alone serves without timed rounds; the search after it
-                    # times it side by side with eager and the candidates it left.
-                    timed, job.deferred = [built_now[0]], job.deferred + _searched_first(built_now[0][0], later)
+                first = built_now[0]
+                if (
+                    len(steps) > 1
+                    and later
+                    and not timed
+                    and (_far_ahead(job, first[1], clear) or _first_look(job, first, clear))
+                ):
+                    # A first plan that wins by far on its check alone serves without timed rounds, one clearly ahead
+                    # in a few rounds after them; the search after it times it side by side with eager (fully) and
+                    # the candidates it left.
+                    timed, job.deferred = [first], job.deferred + _searched_first(first[0], later)
                     break
-                # Earlier candidates settled below min_speedup cannot win; the rest are timed again, side by side.
+                # Earlier candidates settled below min_speedup cannot win; the rest are timed again, side by side (no
+                # warm-up after a first look that fell short: both ran the calls in its rounds).
                 contenders = [c for c in timed if job.bounds.get(c[1].backend, (0.0, 0.0))[1] >= job.config.min_speedup]
+                warm = not timed and len(built_now) == 1 and bool(first[1].rounds)
                 survivors = {
-                    id(r) for r in job.time([(r, built) for _, r, built in contenders + built_now], thresholds)
+                    id(r)
+                    for r in job.time(
+                        [(r, built) for _, r, built in contenders + built_now], thresholds, warmup=0 if warm else None
+                    )
                 }
                 retimed = {id(c[1]) for c in contenders + built_now}
                 timed = [c for c in timed if id(c[1]) not in retimed] + [
@@ -763,6 +811,31 @@ SEARCH_ROUNDS = 8
 FIRST_PLAN_MARGIN = 2.0
 
 
+#: A first plan not far ahead on its check serves after this many timed rounds beside eager, with no warm-up (eager
+#: ran the calls in the traffic and its references, the candidate in its check), where each of them showed it more
+#: than `clear_speedup` ahead and their median more than `FIRST_LOOK_MARGIN` x `clear_speedup` (`_first_look`); the
+#: search after it times it against eager fully first. Measured on real MiniLM whole at batch 32 (Ice Lake Xeon;
+#: OpenVINO int8 1.39-1.48x): the full timing of the first plan took 11.3-11.5 s (two warm-up and five timed rounds of
+#: eager's 0.9 s call beside a 0.65 s one), the first look's three rounds 3.8 s (1.37x, 1.43x, 1.71x in one run).
+FIRST_LOOK_ROUNDS = 3
+FIRST_LOOK_MARGIN = 1.1
+
+
+def _first_look(job: TuningJob, candidate: tuple[Backend, CandidateResult, BuiltBackend], clear: float) -> bool:
+    """True where `candidate`, timed beside eager for `FIRST_LOOK_ROUNDS` rounds, was more than `clear` ahead in each
+    and more than `FIRST_LOOK_MARGIN` x `clear` in their median: its figures are then those rounds' (fewer than the sign
+    test needs: the search after it times it first, `TuningJob.first_look`), its bounds their lowest and highest
+    ratio."""
+    _, result, built = candidate
+    if not job.time([(result, built)], (), rounds=FIRST_LOOK_ROUNDS, warmup=0):
+        return False
+    ratios = job.ratios[result.backend]
+    if min(ratios) <= clear or (result.speedup or 0.0) <= FIRST_LOOK_MARGIN * clear:
+        return False
+    job.bounds[result.backend], job.first_look = (min(ratios), max(ratios)), True
+    return True
+
+
 def _searched_first(winner: Backend, later: list[Backend]) -> list[Backend]:
     """The order the search after a first plan tries what it left: the winner's own backend first (its other doors and
     precisions: the likeliest to beat it, and the evidence the other runtimes' candidates are weighed by,
@@ -779,7 +852,7 @@ def _far_ahead(job: TuningJob, result: CandidateResult, clear: float) -> bool:
     hottest = job.timed_calls[0]  # the latencies of the call timing would have timed first
     result.speedup, result.latency_s, result.rounds = estimate, job._check_seconds[result.backend][hottest], 0
     job.report.eager_latency_s = job.report.eager_latency_s or job._seconds[hottest]
-    job.bounds[result.backend] = (estimate / FIRST_PLAN_MARGIN, estimate)
+    job.bounds[result.backend], job.first_look = (estimate / FIRST_PLAN_MARGIN, estimate), True
     return True
 
 

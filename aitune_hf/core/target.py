@@ -581,12 +581,21 @@ class Target:
         """Serve `decision` (the search after a first plan found it faster) where `old` serves, for the same shapes in
         the same module state; None where `old` is gone (a guard failure, the gate, `detach`). Where the end-to-end
         gate is required and it computes in reduced precision, it waits for the gate (`provisional`) with `old` serving
-        meanwhile (`Route.replaces`), and `old` comes back if the gate fails it."""
+        meanwhile (`Route.replaces`), and `old` comes back if the gate fails it. An eager decision (the first plan
+        timed slower than eager) covers the shapes `old` covered, in `old`'s module state."""
         backend, built = decision.backend, decision.built
-        assert backend is not None and built is not None and decision.guard is not None
         with self._lock:
             if not any(r is old for r in self.routes):
                 return None
+            if backend is None:
+                wide = old.family_wide or (old.built is not None and old.built.dynamic_dims is not None)
+                route = Route(None, None, decision.report, old.guard, old.reference, wide)
+                route.served = old.served
+                self._swap(old, route)
+                logger.info("%s: eager replaces %s (the search after the first plan: %s)", self.name,
+                            old.report.first_plan or "?", decision.report.reason)  # fmt: skip
+                return route
+            assert built is not None and decision.guard is not None
             route = Route(backend, built, decision.report, decision.guard, old.reference, old.family_wide)
             route.served = old.served
             if backend.precision != "fp32":

@@ -51,7 +51,8 @@ class Timing:
     test (`median_bounds`); both are empty without a baseline. `seconds[name]` is how long `name` ran, warm-up
     included (not the copies of inputs made between runs). `stopped` says why timing ended: "settled" (the rule
     decided every candidate), "max_rounds", or "deadline". `rounds` is how many rounds were timed, `timed[name]` in
-    how many of them `name` ran (fewer once it was retired: it could no longer be the choice).
+    how many of them `name` ran (fewer once it was retired: it could no longer be the choice). `ratios[name]`: the
+    paired speed-ups of its rounds, in order (what the median and the bounds are taken of).
     """
 
     latencies: dict[str, float]
@@ -62,6 +63,7 @@ class Timing:
     bounds: dict[str, tuple[float, float]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     timed: dict[str, int] = field(default_factory=dict)
+    ratios: dict[str, list[float]] = field(default_factory=dict)
 
 
 def median_bounds(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -184,7 +186,7 @@ def time_until_settled(
     if baseline is not None:
         for name in kept:
             if name != baseline:
-                ratios = _ratios(times[baseline], times[name])
+                ratios = timing.ratios[name] = _ratios(times[baseline], times[name])
                 timing.speedups[name] = statistics.median(ratios)
                 timing.bounds[name] = median_bounds(ratios, confidence)
     return timing

@@ -18,6 +18,8 @@ from torch import nn
 
 from aitune_hf import TargetState, TuningConfig, hardware, register
 from aitune_hf.backends.base import Backend, BuiltBackend, Call
+from aitune_hf.core.strategy import FIRST_LOOK_ROUNDS
+from aitune_hf.core.timing import MIN_ROUNDS
 from tests.quick import QUICK
 
 #: Every call of the eager forward waits this long (the candidates wait less, or nothing).
@@ -50,17 +52,18 @@ class Waiting(nn.Module):
 
 
 class Waits(Backend):
-    """Computes what the block computes, waiting `wait_s` a call; `build_s` to build; `wrong` adds 1 (its check fails);
-    `precision`: what it says it computes in (reduced ones add `error`, relative, to stay within their budget)."""
+    """Computes what the block computes, waiting `wait_s` a call (`worker_wait_s` instead where the registration's
+    worker calls it: the search's timing); `build_s` to build; `wrong` adds 1 (its check fails); `precision`: what it
+    says it computes in (reduced ones add `error`, relative, to stay within their budget)."""
 
     builds_privately = True
 
     def __init__(
         self, name: str, wait_s: float, build_s: float = 0.0, wrong: bool = False, precision: str = "fp32",
-        error: float = 0.0,
+        error: float = 0.0, worker_wait_s: float | None = None,
     ) -> None:  # fmt: skip
         self.name, self.wait_s, self.build_s, self.wrong = name, wait_s, build_s, wrong
-        self.precision, self.error = precision, error
+        self.precision, self.error, self.worker_wait_s = precision, error, worker_wait_s
         self.builds: list[str] = []  # the thread each build ran in
 
     def build(self, module: nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
@@ -68,7 +71,8 @@ class Waits(Backend):
         time.sleep(self.build_s)
 
         def fn(x: torch.Tensor) -> torch.Tensor:
-            time.sleep(self.wait_s)
+            on_worker = "aitune_hf worker" in threading.current_thread().name
+            time.sleep(self.worker_wait_s if on_worker and self.worker_wait_s is not None else self.wait_s)
             out = module.compute(x) + (1.0 if self.wrong else 0.0)
             return out + self.error * out.norm() * DIRECTION / DIRECTION.norm()  # `error` off, relative L2
 
@@ -140,6 +144,60 @@ def test_a_faster_candidate_that_fails_its_check_never_serves_and_the_first_plan
     (signature,) = target.report().signatures
     assert "wrong output" in next(c.error for c in signature.candidates if c.backend == "fast_but_wrong")
     assert "first_plan stays the fastest" in signature.search
+    registration.detach()
+
+
+class SlowEager(Waiting):
+    """`Waiting` whose eager forward waits 0.1 s: a first plan that waits 0.06 s is ahead (1.67x), not by far."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.1)
+        return self.compute(x)
+
+
+def test_a_first_plan_ahead_but_not_by_far_serves_after_a_few_rounds_and_the_search_times_it_fully() -> None:
+    """A first plan 1.67x eager is not far ahead on its check (`strategy._far_ahead`): it serves from the call that
+    tuned after a first look of `FIRST_LOOK_ROUNDS` timed rounds beside eager (no warm-up, no sign test), and the search
+    after it times it against eager before anything else, to the sign test's rounds."""
+    model, x = SlowEager(), torch.randn(4, 8)
+    config = {**ANYTIME, "repeats": MIN_ROUNDS, "backends": [Waits("first_plan", 0.06), Waits("other", 0.2)]}
+    registration, out = _tune(model, config, x)
+    target = registration.targets["SlowEager"]
+    (signature,) = target.report().signatures
+    first = next(c for c in signature.candidates if c.backend == "first_plan")
+    assert signature.chosen == "first_plan" and first.rounds in (0, FIRST_LOOK_ROUNDS), registration.report()
+    torch.testing.assert_close(out, model.compute(x))
+    assert registration.wait(timeout=60) and registration.searching == 0
+    assert first.rounds >= MIN_ROUNDS and first.speedup > 1.05, registration.report()
+    assert target.report().backend == "first_plan" and "first_plan stays the fastest" in signature.search
+    registration.detach()
+
+
+def test_a_first_plan_the_search_times_slower_than_eager_gives_way_to_eager_on_every_sibling() -> None:
+    """A first plan whose check showed it far ahead, but which the search's timing (on the worker) shows slower than
+    eager, is replaced by eager, on the block that tuned and on the identical sibling that took its decision: the report
+    says why, and every call equals eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Waiting(), Waiting()).eval()
+    with torch.no_grad():
+        model[1].fc.weight.mul_(0.5)
+    x = torch.randn(4, 8)
+    first = Waits("first_plan", FIRST_PLAN_S, worker_wait_s=0.12)
+    registration, out = _tune(model, {**ANYTIME, "backends": [first, Waits("fast_but_wrong", 0.0, wrong=True)]}, x)
+    assert all(t.report().backend == "first_plan" for t in registration.targets.values()), registration.report()
+    expected = model[1].compute(model[0].compute(x))
+    torch.testing.assert_close(out, expected)
+    assert registration.wait(timeout=60) and registration.searching == 0
+    served = {name: t.calls_served.get("first_plan", 0) for name, t in registration.targets.items()}
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(x), expected)
+    for name, target in registration.targets.items():
+        (signature,) = target.report().signatures
+        assert target.report().backend == "eager" and signature.chosen == "eager", registration.report()
+        assert signature.first_plan == "first_plan" and target.calls_served.get("first_plan", 0) == served[name]
+        assert "was timed by the search at" in signature.reason and "x eager (needs 1.05x)" in signature.reason
+    assert "eager replaced the first plan, first_plan" in registration.targets["0"].report().signatures[0].search
     registration.detach()
 
 
