@@ -230,6 +230,8 @@ class TuningJob:
         #: The speed-ups of each timed candidate's latest timed rounds, one per round (paired with eager, or with what
         #: it was timed against, times that one's speed-up).
         self.ratios: dict[str, list[float]] = {}
+        #: Eager's and each candidate's seconds per round in its latest timing against eager (`time(resume=True)`).
+        self.round_times: dict[str, tuple[list[float], list[float]]] = {}
 
     def _references(self, forward: Callable[..., Any], replayable: list[tuple[Any, Sample]], hot: set[Any]) -> None:
         """Replay every recorded call eager: the references the candidates are checked against (and which calls of
@@ -397,6 +399,7 @@ class TuningJob:
         against: tuple[CandidateResult, BuiltBackend] | None = None,
         rounds: int | None = None,
         warmup: int | None = None,
+        resume: bool = False,
     ) -> list[CandidateResult]:
         """Time eager and the candidates side by side until each speed-up is decided against `thresholds` (default:
         `config.min_speedup`), at most `config.repeats` rounds (`timing.time_until_settled`); fills latencies,
@@ -407,7 +410,8 @@ class TuningJob:
         paired in its own rounds), its latency `against`'s over that ratio, and the thresholds are ratios to
         `against`. A search at batch 32 of a whole MiniLM then runs OpenVINO's 0.25 s call in each round where eager's
         1 s call ran. `rounds`: at most this many timed rounds (default `config.repeats`); `warmup`: untimed rounds
-        before them (default `config.warmup`).
+        before them (default `config.warmup`). `resume`: one candidate timed against eager before (its first look) goes
+        on from those rounds (`timing.time_until_settled`'s `prior`: its seconds per round and eager's, `round_times`).
 
         Returns the candidates that survived; one that raised while being timed gets its error recorded.
         """
@@ -440,7 +444,12 @@ class TuningJob:
                 thresholds=thresholds,
                 deadline=self.deadline,
                 warm_turns=warm,
+                prior=self._prior(candidates) if resume and against is None else None,
             )
+        if against is None:
+            for result, _ in candidates:
+                if result.backend in timing.times:
+                    self.round_times[result.backend] = (timing.times["eager"], timing.times[result.backend])
         own = {result.backend: timing.seconds.get(result.backend, 0.0) for result, _ in candidates}
         shared = max(watch.seconds - sum(own.values()), 0.0) / max(len(candidates), 1)  # eager's runs, copies
         for result, _ in candidates:
@@ -466,6 +475,13 @@ class TuningJob:
             self.ratios[result.backend] = [ratio * scale for ratio in timing.ratios[result.backend]]
             survivors.append(result)
         return survivors
+
+    def _prior(self, candidates: Sequence[tuple[CandidateResult, BuiltBackend]]) -> dict[str, list[float]] | None:
+        """The rounds a lone candidate was timed against eager before, eager's and its seconds per round; else None."""
+        if len(candidates) != 1 or candidates[0][0].backend not in self.round_times:
+            return None
+        eager, mine = self.round_times[candidates[0][0].backend]
+        return {"eager": eager, candidates[0][0].backend: mine} if len(eager) == len(mine) else None
 
     def serving(self, result: CandidateResult, built: BuiltBackend) -> Callable[..., Any]:
         """The candidate as it will serve: behind its guard check, whose cost is part of what is timed (checked while
@@ -645,8 +661,9 @@ class MinLatency(Strategy):
         job.leader = leader
         if leader is not None and job.first_look:  # an estimate, or a few rounds: timed against eager first
             job.first_look = False
-            # After a first look both ran the calls warm (the plan in its rounds, eager in the traffic): no warm-up.
-            survivors = job.time([(leader[1], leader[2])], warmup=0 if leader[1].rounds else None)
+            # After a first look both ran the calls warm (the plan in its rounds, eager in the traffic): no warm-up, and
+            # its rounds count as the first.
+            survivors = job.time([(leader[1], leader[2])], warmup=0 if leader[1].rounds else None, resume=True)
             _record_timed(job)
             speed, failed = leader[1].speedup or 0.0, all(r is not leader[1] for r in survivors)
             if failed or speed < job.config.min_speedup:
@@ -766,14 +783,17 @@ class MinLatency(Strategy):
                     # the candidates it left.
                     timed, job.deferred = [first], job.deferred + _searched_first(first[0], later)
                     break
-                # Earlier candidates settled below min_speedup cannot win; the rest are timed again, side by side (no
-                # warm-up after a first look that fell short: both ran the calls in its rounds).
+                # Earlier candidates settled below min_speedup cannot win; the rest are timed again, side by side (after
+                # a first look that fell short, on from its rounds: both ran the calls warm there).
                 contenders = [c for c in timed if job.bounds.get(c[1].backend, (0.0, 0.0))[1] >= job.config.min_speedup]
                 warm = not timed and len(built_now) == 1 and bool(first[1].rounds)
                 survivors = {
                     id(r)
                     for r in job.time(
-                        [(r, built) for _, r, built in contenders + built_now], thresholds, warmup=0 if warm else None
+                        [(r, built) for _, r, built in contenders + built_now],
+                        thresholds,
+                        warmup=0 if warm else None,
+                        resume=warm,
                     )
                 }
                 retimed = {id(c[1]) for c in contenders + built_now}

@@ -52,7 +52,8 @@ class Timing:
     included (not the copies of inputs made between runs). `stopped` says why timing ended: "settled" (the rule
     decided every candidate), "max_rounds", or "deadline". `rounds` is how many rounds were timed, `timed[name]` in
     how many of them `name` ran (fewer once it was retired: it could no longer be the choice). `ratios[name]`: the
-    paired speed-ups of its rounds, in order (what the median and the bounds are taken of).
+    paired speed-ups of its rounds, in order (what the median and the bounds are taken of); `times[name]` its seconds
+    per round, in order (`prior` of a later timing).
     """
 
     latencies: dict[str, float]
@@ -64,6 +65,7 @@ class Timing:
     seconds: dict[str, float] = field(default_factory=dict)
     timed: dict[str, int] = field(default_factory=dict)
     ratios: dict[str, list[float]] = field(default_factory=dict)
+    times: dict[str, list[float]] = field(default_factory=dict)
 
 
 def median_bounds(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -100,6 +102,7 @@ def time_until_settled(
     confidence: float = CONFIDENCE,
     deadline: float | None = None,
     warm_turns: bool = False,
+    prior: Mapping[str, Sequence[float]] | None = None,
 ) -> Timing:
     """Time `candidates` side by side over `calls`, round after round, until the speed-up of each one against
     `baseline` is decided against every threshold, and at most `max_rounds` timed rounds.
@@ -109,6 +112,10 @@ def time_until_settled(
     raises is dropped from later rounds and returned in `failures`; the `baseline` raising propagates. `calls` may be
     a function that returns fresh calls: it runs before each run, outside the clock (inputs that a call mutates, such
     as a KV cache, start each run from the recorded state).
+
+    `prior`: seconds per round of rounds timed before on the same calls (eager's and a candidate's, paired by
+    position): they count as the first timed rounds, toward `min_rounds` and `max_rounds` (a first look's rounds, which
+    the search after it goes on from).
 
     `warm_turns`: for calls that are served back to back (a decode step of `generate()`, a component called at
     every denoising step), each turn starts with untimed runs of the calls (`WARM_TURN_S`, `WARM_RUNS`) while the
@@ -137,13 +144,14 @@ def time_until_settled(
     make_calls = calls if callable(calls) else lambda: calls
     names = list(candidates)
     failures: dict[str, Exception] = {}
-    times: dict[str, list[float]] = {name: [] for name in names}
+    # Rounds timed before (`prior`: each name's seconds per round, paired by position) count as this timing's first.
+    times: dict[str, list[float]] = {name: list((prior or {}).get(name, ())) for name in names}
     seconds: dict[str, float] = dict.fromkeys(names, 0.0)
     per_call = 1
     last: dict[str, float] = {}
-    rounds, stopped = 0, "max_rounds"
+    rounds, stopped = len(times[baseline]) if baseline is not None and prior else 0, "max_rounds"
     retired: set[str] = set()
-    for r in range(warmup + max_rounds):
+    for r in range(warmup + max(max_rounds - rounds, 0)):
         live = [name for name in names if name not in failures and name not in retired]
         shift = r % len(live)
         for name in live[shift:] + live[:shift]:
@@ -182,6 +190,7 @@ def time_until_settled(
         stopped=stopped,
         seconds=seconds,
         timed={name: len(t) for name, t in kept.items()},
+        times=kept,
     )
     if baseline is not None:
         for name in kept:

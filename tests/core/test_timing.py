@@ -65,6 +65,20 @@ def test_far_from_the_threshold_it_stops_after_the_minimum_rounds(clock: Scripte
     assert result.seconds["eager"] == pytest.approx(7.0)  # warm-up runs counted in the seconds spent
 
 
+def test_rounds_timed_before_count_as_the_first(clock: ScriptedClock) -> None:
+    """A first look's three rounds (`prior`) and two more reach the sign test's five: it settles there, its figures
+    those of all five (the prior ones are 0.6 s against eager's 1.2 s: 2x, the new ones 0.5 s against 1.0 s)."""
+    fns = {"eager": clock.runs([1.0]), "fast": clock.runs([0.5])}
+    prior = {"eager": [1.2, 1.2, 1.2], "fast": [0.6, 0.6, 0.6]}
+    result = time_until_settled(fns, CALLS, warmup=0, max_rounds=30, baseline="eager", thresholds=(1.05,), prior=prior)
+    assert result.stopped == "settled" and result.rounds == timing.MIN_ROUNDS == 5
+    assert result.timed == {"eager": 5, "fast": 5} and result.ratios["fast"] == [2.0] * 5
+    assert result.times["fast"] == [0.6, 0.6, 0.6, 0.5, 0.5] and result.latencies["eager"] == 1.2
+    assert result.seconds["eager"] == pytest.approx(2.0)  # only the new rounds ran
+    capped = time_until_settled(fns, CALLS, warmup=0, max_rounds=4, baseline="eager", thresholds=(1.05,), prior=prior)
+    assert capped.rounds == 4 and capped.stopped == "max_rounds"  # the prior rounds count toward max_rounds too
+
+
 def test_within_noise_of_the_threshold_it_times_every_round(clock: ScriptedClock) -> None:
     # The paired ratio alternates 1.10x and 1.00x around a threshold of 1.05: undecided, so all 15 rounds are timed.
     fns = {"eager": clock.runs([1.0]), "close": clock.runs(itertools.cycle([1 / 1.10, 1.0]))}
