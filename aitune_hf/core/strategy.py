@@ -21,7 +21,7 @@ from aitune_hf.core.report import CandidateResult, SignatureReport
 from aitune_hf.core.rng import DrawsRandomNumbers, no_random_draws, random_states
 from aitune_hf.core.signature import InputSignature, Sample, describe_family, state_tensors
 from aitune_hf.core.strategy_base import STRATEGIES, Strategy, build_cost
-from aitune_hf.core.timing import MIN_ROUNDS, Stopwatch, clock, time_until_settled
+from aitune_hf.core.timing import MIN_ROUNDS, Stopwatch, clock, paired_ratios, time_until_settled
 from aitune_hf.errors import CandidateUnavailable, ConfigError, TuningError
 
 if TYPE_CHECKING:
@@ -227,9 +227,6 @@ class TuningJob:
         self.guards: dict[str, ModuleGuard] = {}
         #: The latest (lower, upper) confidence bounds of each timed candidate's speed-up (`timing.median_bounds`).
         self.bounds: dict[str, tuple[float, float]] = {}
-        #: The speed-ups of each timed candidate's latest timed rounds, one per round (paired with eager, or with what
-        #: it was timed against, times that one's speed-up).
-        self.ratios: dict[str, list[float]] = {}
         #: Eager's and each candidate's seconds per round in its latest timing against eager (`time(resume=True)`).
         self.round_times: dict[str, tuple[list[float], list[float]]] = {}
 
@@ -472,7 +469,6 @@ class TuningJob:
             result.rounds = timing.timed[result.backend]  # fewer where it was retired early
             low, high = timing.bounds[result.backend]
             self.bounds[result.backend] = (low * scale, high * scale)
-            self.ratios[result.backend] = [ratio * scale for ratio in timing.ratios[result.backend]]
             survivors.append(result)
         return survivors
 
@@ -652,10 +648,7 @@ class MinLatency(Strategy):
         leader = job.leader
         if leader is None and job.eager_leads is None:
             leader = next((c for c in job.contenders if c[1].backend == current.report.chosen), None)
-            if leader is None or job.halted():
-                job.deferred = []
-                return False
-        if job.halted():
+        if (leader is None and job.eager_leads is None) or job.halted():
             job.deferred = []
             return False
         job.leader = leader
@@ -849,7 +842,7 @@ def _first_look(job: TuningJob, candidate: tuple[Backend, CandidateResult, Built
     _, result, built = candidate
     if not job.time([(result, built)], (), rounds=FIRST_LOOK_ROUNDS, warmup=0):
         return False
-    ratios = job.ratios[result.backend]
+    ratios = paired_ratios(*job.round_times[result.backend])
     if min(ratios) <= clear or (result.speedup or 0.0) <= FIRST_LOOK_MARGIN * clear:
         return False
     job.bounds[result.backend], job.first_look = (min(ratios), max(ratios)), True

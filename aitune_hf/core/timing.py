@@ -51,9 +51,8 @@ class Timing:
     test (`median_bounds`); both are empty without a baseline. `seconds[name]` is how long `name` ran, warm-up
     included (not the copies of inputs made between runs). `stopped` says why timing ended: "settled" (the rule
     decided every candidate), "max_rounds", or "deadline". `rounds` is how many rounds were timed, `timed[name]` in
-    how many of them `name` ran (fewer once it was retired: it could no longer be the choice). `ratios[name]`: the
-    paired speed-ups of its rounds, in order (what the median and the bounds are taken of); `times[name]` its seconds
-    per round, in order (`prior` of a later timing).
+    how many of them `name` ran (fewer once it was retired: it could no longer be the choice). `times[name]`: its
+    seconds per round, in order (`paired_ratios` of two of them; `prior` of a later timing).
     """
 
     latencies: dict[str, float]
@@ -64,7 +63,6 @@ class Timing:
     bounds: dict[str, tuple[float, float]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     timed: dict[str, int] = field(default_factory=dict)
-    ratios: dict[str, list[float]] = field(default_factory=dict)
     times: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -195,13 +193,13 @@ def time_until_settled(
     if baseline is not None:
         for name in kept:
             if name != baseline:
-                ratios = timing.ratios[name] = _ratios(times[baseline], times[name])
+                ratios = paired_ratios(times[baseline], times[name])
                 timing.speedups[name] = statistics.median(ratios)
                 timing.bounds[name] = median_bounds(ratios, confidence)
     return timing
 
 
-def _ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
+def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
     """Paired ratios of the rounds both ran (a retired candidate ran the first ones)."""
     return [a / b if b > 0 else math.inf for a, b in zip(numerator, denominator, strict=False)]
 
@@ -219,7 +217,7 @@ def _judge(
     if baseline is None or not thresholds:
         return True, set()
     live = [name for name in times if name != baseline and name not in out]
-    bounds = {name: median_bounds(_ratios(times[baseline], times[name]), confidence) for name in live}
+    bounds = {name: median_bounds(paired_ratios(times[baseline], times[name]), confidence) for name in live}
     winners = [name for name in live if bounds[name][0] > max(thresholds)]
     undecided, lost = False, set()
     for name in live:
@@ -230,7 +228,9 @@ def _judge(
         if all(lo > s or hi < s for s in thresholds):
             continue
         if any(
-            median_bounds(_ratios(times[name], times[other]), confidence)[0] > 1.0 for other in winners if other != name
+            median_bounds(paired_ratios(times[name], times[other]), confidence)[0] > 1.0
+            for other in winners
+            if other != name
         ):
             lost.add(name)
             continue

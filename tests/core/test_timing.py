@@ -72,7 +72,8 @@ def test_rounds_timed_before_count_as_the_first(clock: ScriptedClock) -> None:
     prior = {"eager": [1.2, 1.2, 1.2], "fast": [0.6, 0.6, 0.6]}
     result = time_until_settled(fns, CALLS, warmup=0, max_rounds=30, baseline="eager", thresholds=(1.05,), prior=prior)
     assert result.stopped == "settled" and result.rounds == timing.MIN_ROUNDS == 5
-    assert result.timed == {"eager": 5, "fast": 5} and result.ratios["fast"] == [2.0] * 5
+    assert result.timed == {"eager": 5, "fast": 5}
+    assert timing.paired_ratios(result.times["eager"], result.times["fast"]) == [2.0] * 5
     assert result.times["fast"] == [0.6, 0.6, 0.6, 0.5, 0.5] and result.latencies["eager"] == 1.2
     assert result.seconds["eager"] == pytest.approx(2.0)  # only the new rounds ran
     capped = time_until_settled(fns, CALLS, warmup=0, max_rounds=4, baseline="eager", thresholds=(1.05,), prior=prior)
