@@ -233,7 +233,7 @@ class TuningJob:
     def _references(self, forward: Callable[..., Any], replayable: list[tuple[Any, Sample]], hot: set[Any]) -> None:
         """Replay every recorded call eager: the references the candidates are checked against (and which calls of
         the hottest shapes are timed)."""
-        self.samples, self.references, self._timed, self._seconds = [], [], [], []
+        self.samples, self.references, self._timed, self._seconds, self._outputs = [], [], [], [], []
         for signature, sample in replayable:
             call = sample.as_call()
             with Stopwatch(self.devices) as watch:
@@ -246,6 +246,7 @@ class TuningJob:
                 self.samples.append(sample)
                 self.references.append(reference)
                 self._seconds.append(watch.seconds)
+                self._outputs.append(output)  # the forward's own output, for the builds (`BuildContext.outputs`)
 
     def _affordable(self, timed: list[int]) -> list[int]:
         """The calls to time, hottest first: the first, then each next one while the round's eager seconds (as the
@@ -350,11 +351,13 @@ class TuningJob:
             return result, None
         building, checking = Stopwatch(self.devices), Stopwatch(self.devices)
         try:
-            with building, self.mode():
+            calls = self.fresh_calls()
+            outputs = {id(call): output for call, output in zip(calls, self._outputs, strict=True)}
+            with building, self.mode(), build_context(outputs=outputs):
                 if self.dynamic and backend.polymorphic:
-                    built = backend.build(self.module, self.forward, self.fresh_calls(), dynamic=True)
+                    built = backend.build(self.module, self.forward, calls, dynamic=True)
                 else:
-                    built = backend.build(self.module, self.forward, self.fresh_calls())
+                    built = backend.build(self.module, self.forward, calls)
             result.reused, result.note = built.reused, built.note
             if built.reused and built.identical:
                 self._identical.add(result.backend)

@@ -59,9 +59,11 @@ class CallLayout:
     def of(
         cls, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call], dynamic: bool, live: bool
     ) -> CallLayout:
-        """The layout of `samples`' call (with `dynamic`, of the widest sample: `widest`); runs `forward` once.
-        Raises TypeError for what no graph here can take: a bfloat16 input or live weight, an output with no tensor."""
-        args, kwargs = widest(samples) if dynamic else samples[0]
+        """The layout of `samples`' call (with `dynamic`, of the widest sample: `widest`); runs `forward` once unless
+        the build context holds the call's eager output (`BuildContext.outputs`). Raises TypeError for what no graph
+        here can take: a bfloat16 input or live weight, an output with no tensor."""
+        chosen = widest(samples) if dynamic else samples[0]
+        args, kwargs = chosen
         in_leaves, in_spec = pytree.tree_flatten((args, kwargs))
         for leaf in in_leaves:
             if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.bfloat16:
@@ -72,8 +74,12 @@ class CallLayout:
                 raise TypeError(
                     f"weight {name!r} is bfloat16, which cannot be fed to an ONNX runtime live; use weights='baked'"
                 )
-        with torch.no_grad():
-            out_leaves, out_spec = pytree.tree_flatten(forward(*args, **kwargs))
+        kept = current_build().outputs  # the call's eager output, replayed for the references: no forward here
+        if id(chosen) in kept:
+            out_leaves, out_spec = pytree.tree_flatten(kept[id(chosen)])
+        else:
+            with torch.no_grad():
+                out_leaves, out_spec = pytree.tree_flatten(forward(*args, **kwargs))
         out_tensor_positions = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
         if not out_tensor_positions:
             raise TypeError("the forward returns no tensor; nothing to export")
