@@ -63,6 +63,10 @@ logger = logging.getLogger(__name__)
 
 #: Guard failures kept per target for the report (most recent last).
 _CHANGES_KEPT = 5
+#: Recorded calls of a family's one shape (the call that tunes included) from which, with anytime tuning, its first
+#: builds are made for that shape (`Target._builds_family`): a shape met in two calls besides the one that tunes (a
+#: denoising loop's block, a text encoder called for the prompt and the negative prompt) is the shape calls keep.
+_SHAPE_KEPT_AFTER = 3
 #: Shapes remembered as rejected by a polymorphic build (beyond it, they are checked again).
 _REJECTED_KEPT = 1024
 #: What `Target._check_new_shape` returns when no polymorphic route covers a call.
@@ -1056,9 +1060,11 @@ class Target:
         off_thread = running_on_the_worker()
         if off_thread:
             restriction = self._private_builds_only
+        # What the builds make: for the family, or (a family met at one shape, first tuned) for that shape alone.
+        builds_family = dynamic and self._builds_family(signatures)
         try:
             job = TuningJob(
-                self.module, self.original_forward, samples, context.config, restriction, dynamic, started,
+                self.module, self.original_forward, samples, context.config, restriction, builds_family, started,
                 name=self.name, evidence=context.evidence, baseline=self._through_blocks if self.inner else None,
                 anytime=context.config.anytime, back_to_back=self.back_to_back,
             )  # fmt: skip
@@ -1081,7 +1087,7 @@ class Target:
         try:
             over = tuple(type(t.module).__qualname__ for t in self.inner)
             decision = Sourcing(self.name, self.module, self._context, restriction, over).decide(
-                job, signatures, dynamic, private=off_thread
+                job, signatures, builds_family, private=off_thread
             )
         except Exception as error:
             reason = f"tuning failed: {summarize(error)}"
@@ -1111,6 +1117,23 @@ class Target:
                 context.search(self, refinement)
             else:
                 refinement.follow(self, route, job)
+
+    def _builds_family(self, signatures: list[InputSignature]) -> bool:
+        """Whether the builds of a shape family's tuning (`signatures`, `_groups`) are made for the whole family
+        (`Backend.build(..., dynamic=True)`: a route that checks each new shape once, then serves it) or for its one
+        shape. With anytime tuning, a family never tuned before whose recorded calls all had one shape, met again and
+        again (`_SHAPE_KEPT_AFTER`), is first built for that shape: a SD block's export with its shapes fixed costs a
+        third to a half of its family's (on an Ice Lake Xeon, SD small's first tuned call 35.8 s against 52.1 s, its
+        final plan 56.0 s against 115.7 s: `benchmarks/results/anytime_icelake.md`); a pipeline at one resolution
+        meets no other shape. The family's next new shape is tuned as a family, which then serves every shape after
+        it; an eager decision covers the family either way. A shape met once before the call that tunes (a query's
+        length) is built for its family at once, as without anytime tuning."""
+        if len(signatures) > 1 or not self._context.config.anytime:
+            return True
+        if self._recorded_by_signature[signatures[0]] < _SHAPE_KEPT_AFTER:
+            return True
+        family = signatures[0].family
+        return family in self._families or any(signature.family == family for signature in self._routes)
 
     def _private_builds_only(self, backend: Backend) -> str | None:
         """The restriction of a tuning on the worker (`tune_in_background`): what the target rules out, and every

@@ -294,6 +294,49 @@ def test_a_shape_family_is_one_polymorphic_build_checked_once_per_new_shape() ->
         assert target.report().routes == 1
 
 
+def test_with_anytime_a_shape_recorded_again_and_again_is_built_for_itself_and_its_next_shape_tunes_a_family() -> None:
+    """Anytime tuning (the default): a family never tuned whose recorded calls all had one shape, repeated (a denoising
+    loop's block), is built for that shape (an export with its shapes fixed: a third to a half of a family export's
+    seconds); its next new shape runs eager, is recorded and is tuned as a family, which then serves every later shape
+    after one check. A shape recorded once before the call that tunes is built for its family at once. Every call
+    equals eager."""
+    block = ManyOpsBlock().eval()
+    config = _config(backends=["onnxruntime"], min_speedup=0, anytime=True)
+    fixed, first, third = torch.randn(2, 16), torch.randn(5, 16), torch.randn(9, 16)
+    with torch.no_grad(), register({"block": block}, config) as reg:
+        target = reg.targets["block"]
+        for _ in range(2):
+            block(fixed)
+        reg.tune()
+        torch.testing.assert_close(block(fixed), ManyOpsBlock.forward(block, fixed), atol=1e-5, rtol=1e-5)  # tunes
+        assert reg.wait(timeout=60)
+        (route,) = target.routes
+        assert route.built is not None and route.built.dynamic_dims is None  # built for its one shape
+        assert reg.reports["block"].signatures[0].signature == "float32[2x16]@cpu"
+        expected = ManyOpsBlock.forward(block, first)
+        torch.testing.assert_close(block(first), expected, rtol=0, atol=0)  # eager, recorded
+        assert list(target.samples) and target.calls_served.get("onnxruntime", 0) == 1
+        reg.tune()
+        torch.testing.assert_close(block(first), expected, atol=1e-5, rtol=1e-5)  # tunes the family, serves
+        assert reg.wait(timeout=60)
+        family = [r for r in target.routes if r.built is not None and r.built.dynamic_dims is not None]
+        assert len(family) == 1, target.routes
+        served = target.calls_served["onnxruntime"]
+        expected = ManyOpsBlock.forward(block, third)
+        torch.testing.assert_close(block(third), expected, rtol=0, atol=0)  # checked once against eager
+        torch.testing.assert_close(block(third), expected, atol=1e-5, rtol=1e-5)
+        assert target.calls_served["onnxruntime"] == served + 1 and not target.samples
+    # Recorded once before the call that tunes: built for its family at once.
+    block = ManyOpsBlock().eval()
+    with torch.no_grad(), register({"block": block}, config) as reg:
+        block(fixed)
+        reg.tune()
+        block(fixed)
+        assert reg.wait(timeout=60)
+        (route,) = reg.targets["block"].routes
+        assert route.built is not None and route.built.dynamic_dims is not None
+
+
 def test_eager_kept_for_a_family_holds_for_its_new_shapes_without_recording_them() -> None:
     block = ManyOpsBlock().eval()
     with torch.no_grad(), register({"block": block}, _config(backends=["onnxruntime"], min_speedup=1e6)) as reg:
