@@ -1132,8 +1132,8 @@ class Target:
             return True
         if self._recorded_by_signature[signatures[0]] < _SHAPE_KEPT_AFTER:
             return True
-        family = signatures[0].family
-        return family in self._families or any(signature.family == family for signature in self._routes)
+        family = signatures[0].family  # every route, a family's too, is in `_routes` under the signatures it serves
+        return any(signature.family == family for signature in self._routes)
 
     def _private_builds_only(self, backend: Backend) -> str | None:
         """The restriction of a tuning on the worker (`tune_in_background`): what the target rules out, and every
