@@ -298,8 +298,8 @@ def test_with_anytime_a_shape_recorded_again_and_again_is_built_for_itself_and_i
     """Anytime tuning (the default): a family never tuned whose recorded calls all had one shape, repeated (a denoising
     loop's block), is built for that shape (an export with its shapes fixed: a third to a half of a family export's
     seconds); its next new shape runs eager, is recorded and is tuned as a family, which then serves every later shape
-    after one check. A shape recorded once before the call that tunes is built for its family at once. Every call
-    equals eager."""
+    after one check. A weight edit sends it to eager in the new state, as any route. A shape recorded once before the
+    call that tunes is built for its family at once. Every call equals eager."""
     block = ManyOpsBlock().eval()
     config = _config(backends=["onnxruntime"], min_speedup=0, anytime=True)
     fixed, first, third = torch.randn(2, 16), torch.randn(5, 16), torch.randn(9, 16)
@@ -326,6 +326,11 @@ def test_with_anytime_a_shape_recorded_again_and_again_is_built_for_itself_and_i
         torch.testing.assert_close(block(third), expected, rtol=0, atol=0)  # checked once against eager
         torch.testing.assert_close(block(third), expected, atol=1e-5, rtol=1e-5)
         assert target.calls_served["onnxruntime"] == served + 1 and not target.samples
+        # A weight edit is seen by the route built for its one shape as by any: eager in the new state at once.
+        served = target.calls_served["onnxruntime"]
+        block.weight.data.add_(0.01)  # bumps no version counter: seen by value
+        torch.testing.assert_close(block(fixed), ManyOpsBlock.forward(block, fixed), rtol=0, atol=0)
+        assert target.calls_served["onnxruntime"] == served
     # Recorded once before the call that tunes: built for its family at once.
     block = ManyOpsBlock().eval()
     with torch.no_grad(), register({"block": block}, config) as reg:
