@@ -3,6 +3,8 @@ record -> arm -> serve (auto mode through its descent into blocks), and a move o
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 import pytest
@@ -16,22 +18,43 @@ from tests.core.modules import TwoBlocks
 NOTHING_TO_TRY: dict[str, Any] = {"backends": [], "progress": False}
 
 
+class _TunedOn(logging.Handler):
+    """The threads that began a tuning (`Target`'s INFO line "tuning ... now"), as the log records them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.threads: list[int] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "input signature(s) now" in record.getMessage():
+            self.threads.append(record.thread or 0)
+
+
 def _phases(targets: str, calls: int, **options: Any) -> tuple[list[tuple[Phase, dict[str, int]]], Schedule]:
     """The schedule's phase and the targets' states after each of `calls` whole calls (and what they left on the
-    worker: once every target was decided, what arms tunes there, never in a caller's call)."""
+    worker: once every target was decided, what arms tunes there, never in a caller's call: the log says which thread
+    began each tuning; the worker may run one while the caller's call is still in flight)."""
     torch.manual_seed(0)
     model = TwoBlocks().eval()
     registration = aitune_hf.enable_aitune(model, targets, **NOTHING_TO_TRY, **options)
     schedule = model.__dict__["_aitune_state"].schedule
     seen = []
-    with torch.no_grad():
-        for _ in range(calls):
-            tuned, serving = [t.tuning_seconds for t in registration.targets.values()], schedule.phase is Phase.SERVING
-            model(torch.randn(2, 8))
-            if serving:  # every target was decided before this call: it tunes nothing inside itself, the worker does
-                assert [t.tuning_seconds for t in registration.targets.values()][: len(tuned)] == tuned
-            assert registration.wait(timeout=60)
-            seen.append((schedule.phase, registration.state_counts))
+    tuned_on, log = _TunedOn(), logging.getLogger("aitune_hf.core.target")
+    level, caller = log.level, threading.get_ident()
+    log.addHandler(tuned_on)
+    log.setLevel(logging.INFO)
+    try:
+        with torch.no_grad():
+            for _ in range(calls):
+                serving, began = schedule.phase is Phase.SERVING, len(tuned_on.threads)
+                model(torch.randn(2, 8))
+                assert registration.wait(timeout=60)
+                if serving:  # every target was decided before this call: it tunes nothing inside itself
+                    assert caller not in tuned_on.threads[began:]
+                seen.append((schedule.phase, registration.state_counts))
+    finally:
+        log.removeHandler(tuned_on)
+        log.setLevel(level)
     model.disable_aitune()
     return seen, schedule
 
