@@ -70,6 +70,9 @@ class _AITuneState:
     #: The kinds of output its whole calls return (`hf/outputs.py`); None until the first whole call where the object
     #: does not say: that call's output is checked against the quality budget, and its kind kept here.
     kinds: frozenset[str] | None = None
+    #: targets="auto": the targets of `found` that a descent need not look at again: components it gave their blocks
+    #: to, those that hold none, and the blocks themselves (`AITuneMixin._aitune_descend`).
+    looked_into: set[str] = field(default_factory=set)
 
     @property
     def calls(self) -> int:
@@ -251,19 +254,36 @@ class AITuneMixin:
             raise ConfigError(f"{error}; aitune is disabled here, every forward restored") from None
         state.kinds = frozenset({kind})
 
-    def _aitune_descend(self, state: _AITuneState) -> None:
+    def _aitune_descend(self, state: _AITuneState) -> bool:
         """Auto mode, once every component is decided (the schedule calls it): each component that stayed eager on a
         shape family it met gets targets for its blocks, which record in the next whole call and tune after it. The
         component is kept whole over them (`Registration.descend(keep=True)`): the families it won go on serving
-        whole, the others run its blocks, and a family met later serves whole only where the whole beats the blocks."""
+        whole, the others run its blocks, and a family met later serves whole only where the whole beats the blocks.
+
+        Called again at the end of every later whole call (`Schedule.arm_after`): a component whose first plan served
+        when every component was decided may be put back to eager by the search after it (anytime tuning: the plan
+        timed fully on the worker, not faster than eager), and then descends as it would have. Components given their
+        blocks, those that hold none, and the blocks are not looked at again (`looked_into`); the others cost a look at
+        their routes. True where a component gave way to its blocks."""
         registration = state.registration
+        waiting = {
+            component.name
+            for component in state.found
+            if component.name not in state.looked_into
+            and (target := registration.targets.get(component.name)) is not None
+            and (target.state is TargetState.EAGER or any(r.built is None for r in target.routes))
+        }
+        if not waiting:
+            return False
         blocks = find_targets(self, "blocks")
         new_found = []
+        descended = False
         for component in list(state.found):
             target = registration.targets[component.name]
-            inside = _blocks_inside(component, blocks)
-            eager_somewhere = target.state is TargetState.EAGER or any(r.built is None for r in target.routes)
-            if not eager_somewhere or not inside:
+            inside = _blocks_inside(component, blocks) if component.name in waiting else []
+            if not inside:
+                if component.name in waiting:  # eager and holds no block: nothing to descend into, ever
+                    state.looked_into.add(component.name)
                 new_found.append(component)
                 continue
             # Kept eager for good (weights that move inside it, a hook): its blocks replace it, as nothing of it serves.
@@ -274,7 +294,10 @@ class AITuneMixin:
             registration.descend(component.name, as_modules(inside), keep=keep)
             _apply_weight_motion(registration, inside)
             new_found += [component, *inside] if keep else inside
+            state.looked_into.update([component.name, *(block.name for block in inside)])
+            descended = True
         state.found = new_found
+        return descended
 
     def _aitune_needs_eager(self, kwargs: dict[str, Any]) -> bool:
         """Calls that capture outputs from inside blocks (attention weights) must run every block eager."""

@@ -12,6 +12,8 @@ over its whole calls (`Phase`); these are its only moves (`_TRANSITIONS`):
     (either)  -> DESCENDED  the same two, with targets="auto": the mixin gives the components that stayed eager on a
                             shape family their blocks as targets beneath them, which record in the next whole call
     DESCENDED -> SERVING    at the end of that next whole call, which arms the blocks (where arming is automatic)
+    SERVING   -> DESCENDED  targets="auto": a component whose first plan served was put back to eager by the search
+                            after it (anytime tuning); it gets its blocks then, as it would have when all were decided
 
 Two rules hold in every phase where arming is automatic (`tune_after_calls` is an int): the end of whole call
 number `tune_after_calls` arms, even where the phase moved on before it (every component decided at
@@ -62,7 +64,7 @@ _TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     _P.RECORDING: frozenset({_P.ARMED, _P.DESCENDED, _P.SERVING}),
     _P.ARMED: frozenset({_P.DESCENDED, _P.SERVING}),
     _P.DESCENDED: frozenset({_P.SERVING}),
-    _P.SERVING: frozenset(),
+    _P.SERVING: frozenset({_P.DESCENDED}),
 }
 
 
@@ -92,6 +94,7 @@ class Schedule:
         self._marker: str | None = None  # with no whole call seen: the target whose calls count as the object's
         self._outside_calls = 0  # calls of `_marker` outside any whole call
         self._lock = threading.Lock()  # whole calls may come from many threads: each count is seen by one
+        self._descending = threading.Lock()  # one descent at a time (whole calls ending on many threads)
         self._inside = threading.local()  # `.depth`: this thread is in a whole call
 
     @property
@@ -135,12 +138,14 @@ class Schedule:
             self._calls += 1
             return self._calls
 
-    def arm_after(self, calls: int, descend: Callable[[], None]) -> None:
+    def arm_after(self, calls: int, descend: Callable[[], bool]) -> None:
         """Move on after whole call number `calls` (from `call_ends`) and arm where the phase or a rule says so.
 
         `descend` (targets="auto") adds the blocks of the components that stayed eager on a shape family beneath
-        them; it runs once, when every component is decided, before this call's arming (which arms the new blocks
-        too)."""
+        them, and says whether it added any; it runs when every component is decided, before this call's arming (which
+        arms the new blocks too), and again at the end of each later call while SERVING: the search after a first plan
+        may put eager back on a component whose plan served (its blocks then record in the next call, and tune after
+        it on the worker)."""
         registration = self.registration
         with self._lock:  # one thread moves the phase at a time; descend and tune run outside the lock
             descends = False
@@ -150,13 +155,21 @@ class Schedule:
                 if descends:
                     self._descended_at = calls
         if descends:
-            descend()
+            with self._descending:
+                descend()
         with self._lock:
             due = self._phase is Phase.DESCENDED and calls > self._descended_at  # the call after the descent
             if due:
                 self._move(Phase.SERVING)
             if calls == self.tune_after_calls and self._phase is Phase.RECORDING:
                 self._move(Phase.ARMED)
+            later = not descends and self.auto and self._phase is Phase.SERVING and registration.all_tuned
+        if later:  # a component the search put back to eager since: its blocks record in the next call
+            with self._descending:
+                if descend():
+                    with self._lock:
+                        self._move(Phase.DESCENDED)
+                        self._descended_at = calls
         # Once every target was decided (SERVING, or DESCENDED), what arms tunes on the worker: no call tunes inside
         # itself after `all_tuned` (the blocks a descent added, new shape families); a re-tune after a change the user
         # made (a LoRA scale, a weight edit) still tunes in the call that meets it (`Target._changed`).

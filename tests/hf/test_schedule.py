@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import aitune_hf
+from aitune_hf.backends import base
+from aitune_hf.backends.base import Backend, BuiltBackend, Call
+from aitune_hf.errors import CandidateUnavailable
 from aitune_hf.hf.schedule import Phase, Schedule
 from tests.core.modules import TwoBlocks
 
@@ -88,3 +94,104 @@ def test_a_move_outside_the_table_raises() -> None:
     assert schedule.phase is Phase.SERVING
     with pytest.raises(AssertionError, match="no whole-call transition serving -> armed"):
         schedule._move(Phase.ARMED)
+
+
+#: Each block's eager forward waits this long (what the candidates below skip).
+BLOCK_WAIT_S = 0.02
+_SKIP_WAIT = threading.local()
+
+
+class WaitingBlock(nn.Module):
+    """A block whose eager forward also waits `BLOCK_WAIT_S` (unless a candidate below runs it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not getattr(_SKIP_WAIT, "on", False):
+            time.sleep(BLOCK_WAIT_S)
+        return torch.tanh(self.fc(x))
+
+
+class WaitingBlocks(nn.Module):
+    """Two `WaitingBlock`s in a row; discovery finds them as its blocks."""
+
+    _repeated_blocks = ["WaitingBlock"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([WaitingBlock(), WaitingBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _SkipsTheWait(Backend):
+    """Runs the eager forward without the blocks' waits: what eager computes, sooner. `modules`: the class it builds
+    for (else unavailable); `worker_wait_s`: what it waits a call on the registration's worker (the search's timing)."""
+
+    builds_privately = True
+
+    def __init__(self, name: str, modules: type[nn.Module], worker_wait_s: float = 0.0) -> None:
+        self.name, self.modules, self.worker_wait_s = name, modules, worker_wait_s
+
+    def build(self, module: nn.Module, forward: Callable[..., Any], samples: Sequence[Call]) -> BuiltBackend:
+        if not isinstance(module, self.modules):
+            raise CandidateUnavailable(f"builds a {self.modules.__name__} only")
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            if "aitune_hf worker" in threading.current_thread().name:
+                time.sleep(self.worker_wait_s)
+            _SKIP_WAIT.on = True
+            try:
+                return forward(x)
+            finally:
+                _SKIP_WAIT.on = False
+
+        return BuiltBackend(fn=fn)
+
+
+class _WholeFirst(_SkipsTheWait):
+    """The whole model's candidate (a registered name: auto mode tries whole components with `component_backends`)."""
+
+    name = "test_whole_first"
+
+    def __init__(self) -> None:
+        super().__init__(self.name, WaitingBlocks, worker_wait_s=8 * BLOCK_WAIT_S)
+
+
+def test_auto_mode_descends_into_a_component_the_search_put_back_to_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """targets="auto" with anytime tuning: the whole model's first plan serves (far ahead of eager on its check), so
+    nothing descends when every component is decided; the search after it times the plan on the worker, slower than
+    eager, and puts eager back. The end of the next whole call gives the model its blocks (DESCENDED), the call after
+    records them and arms them, and the worker tunes them: they serve. Every call equals eager."""
+    monkeypatch.setitem(base._REGISTRY, _WholeFirst.name, _WholeFirst)
+    torch.manual_seed(0)
+    model = WaitingBlocks().eval()
+    registration = aitune_hf.enable_aitune(
+        model, "auto", backends=[_WholeFirst(), _SkipsTheWait("blocks", WaitingBlock)],
+        component_backends=[_WholeFirst.name], progress=False, anytime=True, cache="off", min_speedup=1.05,
+    )  # fmt: skip
+    schedule = model.__dict__["_aitune_state"].schedule
+    x = torch.randn(2, 8)
+    with torch.no_grad(), registration.bypass():
+        expected = model(x)
+    with torch.no_grad():
+        for _ in range(2):  # records, then tunes: the first plan serves
+            torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+        assert registration.state_counts == {"tuned": 1}, registration.report()  # no block beneath it
+        assert registration.wait(timeout=60) and registration.searching == 0
+        (component,) = registration.targets.values()
+        assert [route.built for route in component.routes] == [None], registration.report()  # eager put back
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)  # its end: the blocks beneath it
+        assert schedule.phase is Phase.DESCENDED and len(registration.targets) == 3
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)  # records them; its end arms them
+        assert registration.wait(timeout=60)
+        assert schedule.phase is Phase.SERVING and registration.state_counts == {"tuned": 3}
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    served = {name: dict(t.calls_served) for name, t in registration.targets.items() if name != component.name}
+    assert all(counts.get("blocks", 0) >= 1 for counts in served.values()), registration.report()
+    model.disable_aitune()
