@@ -175,15 +175,31 @@ def test_auto_mode_descends_into_a_component_the_search_put_back_to_eager(monkey
         model, "auto", backends=[_WholeFirst(), _SkipsTheWait("blocks", WaitingBlock)],
         component_backends=[_WholeFirst.name], progress=False, anytime=True, cache="off", min_speedup=1.05,
     )  # fmt: skip
-    schedule = model.__dict__["_aitune_state"].schedule
     x = torch.randn(2, 8)
     with torch.no_grad(), registration.bypass():
         expected = model(x)
+    tuned_on, log = _TunedOn(), logging.getLogger("aitune_hf.core.target")
+    level = log.level
+    log.addHandler(tuned_on)
+    log.setLevel(logging.INFO)
+    try:
+        _descend_after_the_search(model, registration, x, expected, tuned_on)
+    finally:
+        log.removeHandler(tuned_on)
+        log.setLevel(level)
+    model.disable_aitune()
+
+
+def _descend_after_the_search(
+    model: nn.Module, registration: Any, x: torch.Tensor, expected: torch.Tensor, tuned_on: _TunedOn
+) -> None:
+    schedule = model.__dict__["_aitune_state"].schedule
     with torch.no_grad():
         for _ in range(2):  # records, then tunes: the first plan serves
             torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
         assert registration.state_counts == {"tuned": 1}, registration.report()  # no block beneath it
         assert registration.wait(timeout=60) and registration.searching == 0
+        assert tuned_on.threads == [threading.get_ident()]  # the whole model, in the call that tuned
         (component,) = registration.targets.values()
         assert [route.built for route in component.routes] == [None], registration.report()  # eager put back
         torch.testing.assert_close(model(x), expected, rtol=0, atol=0)  # its end: the blocks beneath it
@@ -192,6 +208,6 @@ def test_auto_mode_descends_into_a_component_the_search_put_back_to_eager(monkey
         assert registration.wait(timeout=60)
         assert schedule.phase is Phase.SERVING and registration.state_counts == {"tuned": 3}
         torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    assert len(tuned_on.threads) == 3 and threading.get_ident() not in tuned_on.threads[1:]  # the blocks: the worker
     served = {name: dict(t.calls_served) for name, t in registration.targets.items() if name != component.name}
     assert all(counts.get("blocks", 0) >= 1 for counts in served.values()), registration.report()
-    model.disable_aitune()
