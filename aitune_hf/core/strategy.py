@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -827,28 +828,33 @@ SEARCH_ROUNDS = 8
 FIRST_PLAN_MARGIN = 2.0
 
 
-#: A first plan not far ahead on its check serves after this many timed rounds beside eager, with no warm-up (eager
-#: ran the calls in the traffic and its references, the candidate in its check), where each of them showed it more
-#: than `clear_speedup` ahead and their median more than `FIRST_LOOK_MARGIN` x `clear_speedup` (`_first_look`); the
-#: search after it times it against eager fully first. Measured on real MiniLM whole at batch 32 (Ice Lake Xeon;
-#: OpenVINO int8 1.39-1.48x): the full timing of the first plan took 11.3-11.5 s (two warm-up and five timed rounds of
-#: eager's 0.9 s call beside a 0.65 s one), the first look's three rounds 3.8 s (1.37x, 1.43x, 1.71x in one run).
+#: A first plan not far ahead on its check serves after a first look of this many looks beside eager: its check's
+#: estimate where it is ahead (`TuningJob.estimate`: eager's reference run against the candidate's check run of each
+#: recorded call, the smallest ratio; cold, so it errs low), then rounds timed with no warm-up (eager ran the calls
+#: in the traffic and its references, the candidate in its check), where each look showed it more than `clear_speedup`
+#: ahead and their median more than `FIRST_LOOK_MARGIN` x `clear_speedup` (`_first_look`); the search after it times
+#: it against eager fully first. Measured on real MiniLM whole at batch 32 (Ice Lake Xeon; OpenVINO int8 1.39-1.48x):
+#: the full timing of the first plan took 11.3-11.5 s (two warm-up and five timed rounds of eager's 0.9 s call beside a
+#: 0.65 s one), three timed rounds 3.8 s (1.37x, 1.43x, 1.71x in one run); the check's run is one of them, spared.
 FIRST_LOOK_ROUNDS = 3
 FIRST_LOOK_MARGIN = 1.1
 
 
 def _first_look(job: TuningJob, candidate: tuple[Backend, CandidateResult, BuiltBackend], clear: float) -> bool:
-    """True where `candidate`, timed beside eager for `FIRST_LOOK_ROUNDS` rounds, was more than `clear` ahead in each
-    and more than `FIRST_LOOK_MARGIN` x `clear` in their median: its figures are then those rounds' (fewer than the sign
-    test needs: the search after it times it first, `TuningJob.first_look`), its bounds their lowest and highest
-    ratio."""
+    """True where `candidate` was more than `clear` ahead of eager in each of `FIRST_LOOK_ROUNDS` looks (its check's
+    estimate, then rounds timed beside eager) and more than `FIRST_LOOK_MARGIN` x `clear` in their median: its figures
+    are then those rounds' (fewer than the sign test needs: the search after it times it first, going on from them,
+    `TuningJob.first_look`), its bounds the lowest and highest look. The estimate is a cold run's, so it errs low: one
+    not above `clear` (or none: not checked on every recorded call) is no look, and every look is a timed round."""
     _, result, built = candidate
-    if not job.time([(result, built)], (), rounds=FIRST_LOOK_ROUNDS, warmup=0):
+    estimate = job.estimate(result)
+    looks = [estimate] if estimate is not None and estimate > clear else []
+    if not job.time([(result, built)], (), rounds=FIRST_LOOK_ROUNDS - len(looks), warmup=0):
         return False
-    ratios = paired_ratios(*job.round_times[result.backend])
-    if min(ratios) <= clear or (result.speedup or 0.0) <= FIRST_LOOK_MARGIN * clear:
+    looks += paired_ratios(*job.round_times[result.backend])
+    if min(looks) <= clear or statistics.median(looks) <= FIRST_LOOK_MARGIN * clear:
         return False
-    job.bounds[result.backend], job.first_look = (min(ratios), max(ratios)), True
+    job.bounds[result.backend], job.first_look = (min(looks), max(looks)), True
     return True
 
 
