@@ -3,10 +3,11 @@ record -> arm -> serve (auto mode through its descent into blocks), and a move o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from aitune_hf.backends import base
 from aitune_hf.backends.base import Backend, BuiltBackend, Call
 from aitune_hf.errors import CandidateUnavailable
 from aitune_hf.hf.schedule import Phase, Schedule
-from tests.core.modules import TwoBlocks
+from tests.core.modules import Block, TwoBlocks
 
 #: No candidate backend: every target decides eager at once, so the test is about the schedule, not about tuning.
 NOTHING_TO_TRY: dict[str, Any] = {"backends": [], "progress": False}
@@ -36,6 +37,20 @@ class _TunedOn(logging.Handler):
             self.threads.append(record.thread or 0)
 
 
+@contextlib.contextmanager
+def _tunings_begun() -> Iterator[_TunedOn]:
+    """Inside: the threads that begin a tuning, as `Target`'s log says (its level set to INFO, then put back)."""
+    tuned_on, log = _TunedOn(), logging.getLogger("aitune_hf.core.target")
+    level = log.level
+    log.addHandler(tuned_on)
+    log.setLevel(logging.INFO)
+    try:
+        yield tuned_on
+    finally:
+        log.removeHandler(tuned_on)
+        log.setLevel(level)
+
+
 def _phases(targets: str, calls: int, **options: Any) -> tuple[list[tuple[Phase, dict[str, int]]], Schedule]:
     """The schedule's phase and the targets' states after each of `calls` whole calls (and what they left on the
     worker: once every target was decided, what arms tunes there, never in a caller's call: the log says which thread
@@ -45,22 +60,14 @@ def _phases(targets: str, calls: int, **options: Any) -> tuple[list[tuple[Phase,
     registration = aitune_hf.enable_aitune(model, targets, **NOTHING_TO_TRY, **options)
     schedule = model.__dict__["_aitune_state"].schedule
     seen = []
-    tuned_on, log = _TunedOn(), logging.getLogger("aitune_hf.core.target")
-    level, caller = log.level, threading.get_ident()
-    log.addHandler(tuned_on)
-    log.setLevel(logging.INFO)
-    try:
-        with torch.no_grad():
-            for _ in range(calls):
-                serving, began = schedule.phase is Phase.SERVING, len(tuned_on.threads)
-                model(torch.randn(2, 8))
-                assert registration.wait(timeout=60)
-                if serving:  # every target was decided before this call: it tunes nothing inside itself
-                    assert caller not in tuned_on.threads[began:]
-                seen.append((schedule.phase, registration.state_counts))
-    finally:
-        log.removeHandler(tuned_on)
-        log.setLevel(level)
+    with torch.no_grad(), _tunings_begun() as tuned_on:
+        for _ in range(calls):
+            serving, began = schedule.phase is Phase.SERVING, len(tuned_on.threads)
+            model(torch.randn(2, 8))
+            assert registration.wait(timeout=60)
+            if serving:  # every target was decided before this call: it tunes nothing inside itself
+                assert threading.get_ident() not in tuned_on.threads[began:]
+            seen.append((schedule.phase, registration.state_counts))
     model.disable_aitune()
     return seen, schedule
 
@@ -101,32 +108,23 @@ BLOCK_WAIT_S = 0.02
 _SKIP_WAIT = threading.local()
 
 
-class WaitingBlock(nn.Module):
-    """A block whose eager forward also waits `BLOCK_WAIT_S` (unless a candidate below runs it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
+class WaitingBlock(Block):
+    """A `Block` whose eager forward also waits `BLOCK_WAIT_S` (unless a candidate below runs it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not getattr(_SKIP_WAIT, "on", False):
             time.sleep(BLOCK_WAIT_S)
-        return torch.tanh(self.fc(x))
+        return super().forward(x)
 
 
-class WaitingBlocks(nn.Module):
-    """Two `WaitingBlock`s in a row; discovery finds them as its blocks."""
+class WaitingBlocks(TwoBlocks):
+    """`TwoBlocks` of `WaitingBlock`s; discovery finds them as its blocks."""
 
     _repeated_blocks = ["WaitingBlock"]
 
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleList([WaitingBlock(), WaitingBlock()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 class _SkipsTheWait(Backend):
@@ -178,23 +176,8 @@ def test_auto_mode_descends_into_a_component_the_search_put_back_to_eager(monkey
     x = torch.randn(2, 8)
     with torch.no_grad(), registration.bypass():
         expected = model(x)
-    tuned_on, log = _TunedOn(), logging.getLogger("aitune_hf.core.target")
-    level = log.level
-    log.addHandler(tuned_on)
-    log.setLevel(logging.INFO)
-    try:
-        _descend_after_the_search(model, registration, x, expected, tuned_on)
-    finally:
-        log.removeHandler(tuned_on)
-        log.setLevel(level)
-    model.disable_aitune()
-
-
-def _descend_after_the_search(
-    model: nn.Module, registration: Any, x: torch.Tensor, expected: torch.Tensor, tuned_on: _TunedOn
-) -> None:
     schedule = model.__dict__["_aitune_state"].schedule
-    with torch.no_grad():
+    with torch.no_grad(), _tunings_begun() as tuned_on:
         for _ in range(2):  # records, then tunes: the first plan serves
             torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
         assert registration.state_counts == {"tuned": 1}, registration.report()  # no block beneath it
@@ -211,3 +194,4 @@ def _descend_after_the_search(
     assert len(tuned_on.threads) == 3 and threading.get_ident() not in tuned_on.threads[1:]  # the blocks: the worker
     served = {name: dict(t.calls_served) for name, t in registration.targets.items() if name != component.name}
     assert all(counts.get("blocks", 0) >= 1 for counts in served.values()), registration.report()
+    model.disable_aitune()
