@@ -10,7 +10,10 @@ CUDA build): `python -m venv ~/ovenv && ~/ovenv/bin/pip install -c constraints.t
 && ~/ovenv/bin/pip uninstall -y torchvision` (PyPI's torchvision, which it pulls, fails beside the pinned CPU torch:
 "operator torchvision::nms does not exist", and Transformers then cannot import `AutoProcessor`), then pass its Python
 as `--optimum-python` (or `AITUNE_OPTIMUM_PYTHON`); without it the openvino_* rows say "not run". Its workers import
-this checkout's aitune_hf for the timer only.
+this checkout's aitune_hf for the timer only. To time every row with the peer's own Transformers (its `generate()`
+loop is not ours), run the whole benchmark in that venv: `~/ovenv/bin/pip install -c constraints.txt platformdirs onnx
+onnxscript accelerate`, then `PYTHONPATH=$PWD ~/ovenv/bin/python benchmarks/generation.py ... --optimum-python
+~/ovenv/bin/python` (benchmarks/results/generation_icelake.md, its last section).
 
 Models: built from `LlamaConfig` / `Qwen3Config` / `BartConfig` with random weights (seed 0; hidden 256, 4 layers
 (BART: 4 encoder and 4 decoder layers), 4 heads, 2 KV heads (BART: 4), intermediate 512, vocabulary 1024,

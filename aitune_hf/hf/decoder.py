@@ -19,7 +19,8 @@ without its package:
   `generate()`, the step after beam search reordered the cache, a cache another route or the user filled). Each
   calling thread has its own infer request and state.
 - **Scope**: fp32 only (the f32 hint, read back), generate()'s default `DynamicCache`; a static cache, inputs
-  embeddings, labels or an encoder-decoder model make it unavailable for that call, with the reason.
+  embeddings, labels or an encoder-decoder model make it unavailable for that call, with the reason. Transformers
+  5.25 and the 5.x releases before it that name the cache `past_key_values` (optimum-intel pins Transformers below 5.6).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ _HINTS = {"fp32": "f32", "bf16": "bf16"}
 _SERVED = frozenset(
     {"input_ids", "attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep", "return_dict"}
 )
+#: What a causal LM calls its cache, as an argument and as an output field: `cache` in Transformers 5.25,
+#: `past_key_values` before (5.5, the release optimum-intel pins below 5.6); each step is read and answered in the
+#: model's own names.
+_CACHE_NAMES = ("cache", "past_key_values")
 
 
 @register_backend
@@ -139,10 +144,10 @@ class OpenVinoDecoderBackend(Backend):
         with torch.no_grad():  # on a copy of the sample: the run must not grow the sample's cache
             reference = twin_forward(**_arguments(signature, *copy.deepcopy(samples[0])))
         fields = [k for k, v in reference.items() if v is not None]
-        if fields != ["logits", "cache"]:
+        if len(fields) != 2 or fields[0] != "logits" or fields[1] not in _CACHE_NAMES:
             raise CandidateUnavailable(f"openvino_decoder makes logits and the cache, this forward returns {fields}")
         compiled, layers = _compile(twin, keep, self.num_threads, self.precision, batch=bound["input_ids"].shape[0])
-        stepper = _Stepper(compiled, signature, layers, type(reference))
+        stepper = _Stepper(compiled, signature, layers, type(reference), fields[1])
         with _MADE_LOCK:
             _MADE.setdefault(module, {})[key] = (weights, stepper)
         return BuiltBackend(fn=stepper, bakes_weights=True)
@@ -188,6 +193,12 @@ def _arguments(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict
     if "past_key_values" in named and "cache" not in named:
         named["cache"] = named.pop("past_key_values")
     return named
+
+
+def _cache_argument(model: torch.nn.Module) -> str:
+    """The name `model`'s forward takes its cache by (`_CACHE_NAMES`)."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in _CACHE_NAMES if name in parameters), _CACHE_NAMES[0])
 
 
 def _compile(
@@ -297,6 +308,7 @@ class _Step(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, layers: int, keep: int) -> None:
         super().__init__()
         self.model, self.layers, self.keep = model, layers, keep
+        self.cache_argument = _cache_argument(model)
 
     def forward(
         self,
@@ -320,9 +332,9 @@ class _Step(torch.nn.Module):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
             use_cache=True,
             logits_to_keep=self.keep,
+            **{self.cache_argument: cache},
         )
         present = [t for layer in cache.layers[: self.layers] for t in (layer.keys, layer.values)]
         return (out.logits, torch.stack(new), *present)
@@ -343,8 +355,9 @@ def _recording(update: Callable[..., Any], new: list[torch.Tensor]) -> Callable[
 class _Stepper:
     """The built callable: one step on this thread's infer request, its state checked against the cache first."""
 
-    def __init__(self, compiled: Any, signature: inspect.Signature, layers: int, output: type) -> None:
+    def __init__(self, compiled: Any, signature: inspect.Signature, layers: int, output: type, field: str) -> None:
         self._compiled, self._signature, self._layers, self._output = compiled, signature, layers, output
+        self._field = field  # the output's name for the cache (`_CACHE_NAMES`)
         self._local = threading.local()
         #: Each input's index in the compiled model (the feed is given by index: no lookup by name per step).
         self._inputs = {port.get_any_name(): index for index, port in enumerate(compiled.inputs)}
@@ -354,11 +367,10 @@ class _Stepper:
         import numpy as np
         import openvino
 
-        if args:
-            named = _arguments(self._signature, args, kwargs)
-        else:  # generate() passes keywords only: no binding (a tenth of the step's overhead)
-            named = kwargs if "past_key_values" not in kwargs else _arguments(self._signature, args, kwargs)
-        ids, cache = named["input_ids"], named["cache"]
+        # generate() passes keywords only: no binding (a tenth of the step's overhead)
+        named = _arguments(self._signature, args, kwargs) if args else kwargs
+        ids = named["input_ids"]
+        cache = named["cache"] if "cache" in named else named["past_key_values"]
         batch, length = ids.shape
         past = cache.get_seq_length()
         mask = named.get("attention_mask")
@@ -400,7 +412,7 @@ class _Stepper:
         for i in range(self._layers):
             cache.update(rows[2 * i], rows[2 * i + 1], i)
         local.seen = (weakref.ref(cache), past + length, _stamp(cache))
-        return self._output(logits=torch.from_numpy(output(0).data.copy()), cache=cache)
+        return self._output(logits=torch.from_numpy(output(0).data.copy()), **{self._field: cache})
 
 
 def _stamp(cache: Any) -> tuple[Any, ...]:
