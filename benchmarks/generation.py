@@ -13,7 +13,7 @@ as `--optimum-python` (or `AITUNE_OPTIMUM_PYTHON`); without it the openvino_* ro
 this checkout's aitune_hf for the timer only. To time every row with the peer's own Transformers (its `generate()`
 loop is not ours), run the whole benchmark in that venv: `~/ovenv/bin/pip install -c constraints.txt platformdirs onnx
 onnxscript accelerate`, then `PYTHONPATH=$PWD ~/ovenv/bin/python benchmarks/generation.py ... --optimum-python
-~/ovenv/bin/python` (benchmarks/results/generation_icelake.md, its last section).
+~/ovenv/bin/python` (benchmarks/results/generation_icelake.md, "The same Transformers as the peer").
 
 Models: built from `LlamaConfig` / `Qwen3Config` / `BartConfig` with random weights (seed 0; hidden 256, 4 layers
 (BART: 4 encoder and 4 decoder layers), 4 heads, 2 KV heads (BART: 4), intermediate 512, vocabulary 1024,
