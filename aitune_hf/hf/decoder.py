@@ -18,7 +18,8 @@ without its package:
   tensors not replaced or changed in place since our last step); otherwise it is loaded from the cache (a new
   `generate()`, the step after beam search reordered the cache, a cache another route or the user filled). Each
   calling thread has its own infer request and state.
-- **Scope**: fp32 only (the f32 hint, read back), generate()'s default `DynamicCache`; a static cache, inputs
+- **Scope**: fp32 (the f32 hint, read back), and bf16 where asked for (first run in the build process, then served only
+  through the end-to-end gate on the tokens); generate()'s default `DynamicCache`; a static cache, inputs
   embeddings, labels or an encoder-decoder model make it unavailable for that call, with the reason. Transformers
   5.25 and the 5.x releases before it that name the cache `past_key_values` (optimum-intel pins Transformers below 5.6).
 """
