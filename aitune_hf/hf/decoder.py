@@ -17,7 +17,9 @@ without its package:
   the engine's state is used only where it is known to equal that cache (the same object, the same length, its
   tensors not replaced or changed in place since our last step); otherwise it is loaded from the cache (a new
   `generate()`, the step after beam search reordered the cache, a cache another route or the user filled). Each
-  calling thread has its own infer request and state.
+  calling thread has its own infer request and state. A served step starts on OpenVINO's thread and the route's guard
+  is checked meanwhile (`_Stepper.start`); its rows reach the cache only when its output is taken, so a step cancelled
+  because the guard failed leaves the cache as it was, for eager to run the step on.
 - **Scope**: fp32 (the f32 hint, read back), and bf16 where asked for (first run in the build process, then served only
   through the end-to-end gate on the tokens); generate()'s default `DynamicCache`; a static cache, inputs
   embeddings, labels or an encoder-decoder model make it unavailable for that call, with the reason. Transformers
@@ -26,6 +28,7 @@ without its package:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import threading
@@ -139,7 +142,7 @@ class OpenVinoDecoderBackend(Backend):
         key = (keep, self.precision, self.num_threads, signature)
         made = _MADE.get(module, {}).get(key) if current_build().state is not None else None
         if made is not None and made[0].holds(module):  # the engine itself: a fresh build would make the same one
-            return BuiltBackend(fn=made[1], bakes_weights=True, reused=True, identical=True)
+            return BuiltBackend(fn=made[1], start=made[1].start, bakes_weights=True, reused=True, identical=True)
         weights = _MadeFrom(module)  # before the private copy is taken: the values the engine will hold
         twin, twin_forward = private_twin(module, forward)
         with torch.no_grad():  # on a copy of the sample: the run must not grow the sample's cache
@@ -151,7 +154,7 @@ class OpenVinoDecoderBackend(Backend):
         stepper = _Stepper(compiled, signature, layers, type(reference), fields[1])
         with _MADE_LOCK:
             _MADE.setdefault(module, {})[key] = (weights, stepper)
-        return BuiltBackend(fn=stepper, bakes_weights=True)
+        return BuiltBackend(fn=stepper, start=stepper.start, bakes_weights=True)
 
 
 #: Per live model, the engine its last build of each kind made (`OpenVinoDecoderBackend.build`) and the weights it was
@@ -365,6 +368,30 @@ class _Stepper:
         self._beams: dict[int, Any] = {}  # per batch size, `beam_idx` (the cache's own order), made once
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import openvino
+
+        request, feeds, cache, end = self._begin(args, kwargs)
+        # The engine's own `infer` (`openvino.InferRequest`'s base): the Python wrapper also copies every output into
+        # new arrays (`share_outputs=False`) and dispatches the feed by type, 0.27 ms of a 4-layer, 256-wide Llama's
+        # 1.61 ms decode step on an Ice Lake Xeon (1.34 ms through the engine's own, medians of 15 rounds of 39
+        # steps). The outputs are read by `_finish` from the request's own tensors.
+        super(openvino.InferRequest, request).infer(feeds, True, True)
+        return self._finish(request, cache, end)
+
+    def start(self, *args: Any, **kwargs: Any) -> _StepStarted:
+        """Begin the step on OpenVINO's own thread (`BuiltBackend.start`): the caller's thread checks the route's guard
+        meanwhile, which costs a whole model's step 0.24-0.25 ms on the caller's thread otherwise (a 4-layer, 256-wide
+        Llama or Qwen3 decoding at 2.56 ms a token on an Ice Lake Xeon: a tenth of it)."""
+        import openvino
+
+        request, feeds, cache, end = self._begin(args, kwargs)
+        super(openvino.InferRequest, request).start_async(feeds, None)  # the base's: no dispatch of the feed by type
+        return _StepStarted(self, request, cache, end, feeds)
+
+    def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[int, Any], Any, int]:
+        """This thread's infer request with its state made equal to the call's cache, the feed, the cache and its
+        length after the step. The engine's state is unknown (`seen` None) until `_finish` records the step: a step
+        that raised or was cancelled leaves it reloaded from the cache next time."""
         import numpy as np
         import openvino
 
@@ -392,6 +419,7 @@ class _Stepper:
                 for j, tensor in enumerate((layer.keys, layer.values)):
                     data = np.ascontiguousarray(tensor.detach().numpy())
                     states[f"past.{2 * i + j}present.{2 * i + j}"].state = openvino.Tensor(data)  # OpenVINO's name
+        local.seen = None
         beams = self._beams.get(batch)
         if beams is None:  # the cache's own order (a reorder reloads the state above)
             beams = self._beams[batch] = openvino.Tensor(np.arange(batch, dtype=np.int32))
@@ -402,18 +430,37 @@ class _Stepper:
             index["attention_mask"]: tensor(np.ascontiguousarray(mask.to(torch.long).numpy()), shared_memory=True),
             index["position_ids"]: tensor(np.ascontiguousarray(positions.to(torch.long).numpy()), shared_memory=True),
         }
-        # The engine's own `infer` (`openvino.InferRequest`'s base): the Python wrapper also copies every output into
-        # new arrays (`share_outputs=False`) and dispatches the feed by type, 0.27 ms of a 4-layer, 256-wide Llama's
-        # 1.61 ms decode step on an Ice Lake Xeon (1.34 ms through the engine's own, medians of 15 rounds of 39
-        # steps). The outputs are read below from the request's own tensors, as before.
-        super(openvino.InferRequest, request).infer(feeds, True, True)
+        return request, feeds, cache, past + length
+
+    def _finish(self, request: Any, cache: Any, end: int) -> Any:
+        """The step's output, its new rows put into the call's cache (`cache.update`, as eager grows it)."""
         output = request.get_output_tensor
         # A view of the request's buffer: `update` concatenates its rows into new tensors before the next step.
         rows = torch.from_numpy(output(1).data)
         for i in range(self._layers):
             cache.update(rows[2 * i], rows[2 * i + 1], i)
-        local.seen = (weakref.ref(cache), past + length, _stamp(cache))
+        self._local.seen = (weakref.ref(cache), end, _stamp(cache))
         return self._output(logits=torch.from_numpy(output(0).data.copy()), **{self._field: cache})
+
+
+class _StepStarted:
+    """A step running on OpenVINO's thread (`_Stepper.start`); it holds the arrays the engine reads until it ends."""
+
+    __slots__ = ("_cache", "_end", "_feeds", "_request", "_stepper")
+
+    def __init__(self, stepper: _Stepper, request: Any, cache: Any, end: int, feeds: dict[int, Any]) -> None:
+        self._stepper, self._request, self._cache, self._end, self._feeds = stepper, request, cache, end, feeds
+
+    def result(self) -> Any:
+        self._request.wait()
+        return self._stepper._finish(self._request, self._cache, self._end)
+
+    def cancel(self) -> None:
+        """Its output is not wanted (the route's guard failed): the cache is left as it was, and the engine's state,
+        unknown, is loaded from the cache at this thread's next step."""
+        self._request.cancel()
+        with contextlib.suppress(RuntimeError):  # a cancelled step raises on wait(), and one that ended does not
+            self._request.wait()
 
 
 def _stamp(cache: Any) -> tuple[Any, ...]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import DynamicCache, EncoderDecoderCache, StaticCache
+from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessor, StaticCache
 
 from aitune_hf import AITuneModel, TargetState, register
 from aitune_hf.testing import LM_AUTO_CLASSES, build_lm
@@ -560,6 +560,16 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
         model.eval()
         before, _ = generate_beside_eager(model, "eval mode again", plain)
         assert target.calls_served["openvino_decoder"] >= served + GENERATE["max_new_tokens"] - 1
+        # A weight written through `.data` (no version counter moves) by a logits processor after the second step, and
+        # put back after the third: the third step began on the engine before its guard was checked (`_Stepper.start`),
+        # the guard saw the edit, the started step was cancelled and eager ran it on the same cache; the fourth, the
+        # weight back, was served from the engine's state loaded again from that cache, and the rest as before.
+        served = target.calls_served["openvino_decoder"]
+        edit = _EditForOneStep(model.model.layers[0].mlp.down_proj.weight, at=plain["input_ids"].shape[1] + 1)
+        edited, _ = generate_beside_eager(model, "a weight edited for one step", plain, logits_processor=[edit])
+        assert target.calls_served["openvino_decoder"] == served + GENERATE["max_new_tokens"] - 1, registration.report()
+        torch.testing.assert_close(edited.logits[1], before.logits[1], **TOL)  # before the edit: as without it
+        assert not torch.equal(edited.logits[2], before.logits[2])  # the edit reached the third step's logits
         # A LoRA adapter put in place by peft (B not zero: the tokens change): the engine holds the weights without it
         # and never serves again; every call is eager's in the new state.
         from peft import LoraConfig, inject_adapter_in_model
@@ -583,6 +593,21 @@ def test_openvino_decoder_keeps_the_cache_as_eager_in_every_mode(lm_folders) -> 
         assert "openvino_decoder" not in registration.targets["model"].calls_served
     finally:
         model.disable_aitune()
+
+
+class _EditForOneStep(LogitsProcessor):
+    """Adds 0.5 to `weight` through `.data` once the sequences are `at` tokens long, and copies its values back at the
+    next step: each generate() it is given (ours, then eager's) sees the same edit at the same step."""
+
+    def __init__(self, weight: torch.nn.Parameter, at: int) -> None:
+        self.weight, self.at, self.saved = weight, at, weight.detach().clone()
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] == self.at:
+            self.weight.data.add_(0.5)
+        elif input_ids.shape[1] == self.at + 1:
+            self.weight.data.copy_(self.saved)
+        return scores
 
 
 def test_openvino_decoder_in_bf16_serves_only_through_the_gate(lm_folders) -> None:
