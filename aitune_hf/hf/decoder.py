@@ -28,7 +28,6 @@ without its package:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import threading
@@ -458,9 +457,9 @@ class _StepStarted:
     def cancel(self) -> None:
         """Its output is not wanted (the route's guard failed): the cache is left as it was, and the engine's state,
         unknown, is loaded from the cache at this thread's next step."""
-        self._request.cancel()
-        with contextlib.suppress(RuntimeError):  # a cancelled step raises on wait(), and one that ended does not
-            self._request.wait()
+        from aitune_hf.backends.openvino import cancel_request
+
+        cancel_request(self._request)
 
 
 def _stamp(cache: Any) -> tuple[Any, ...]:
