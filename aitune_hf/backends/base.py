@@ -198,6 +198,12 @@ class Backend(abc.ABC):
     #: on this project's CPUs: Inductor 5-30 s for a small block, the ONNX export 1-5 s). Strategies try cheap builds
     #: first and skip slow ones where a cheap winner is clear (`core.strategy_base.cheap_first`).
     build_cost: str = "cheap"
+    #: The intermediate form a build reads where the builds of one tuning share it, or None (a form of its own):
+    #: "onnx", the ONNX export, made once per module state and reused by every build that reads it (ONNX Runtime,
+    #: OpenVINO's ONNX door). Once one of them is built the others cost little (on a whole MiniLM: the export 8 s,
+    #: OpenVINO from it 1.3 s), so anytime tuning builds and checks them together and times first the one its check
+    #: showed fastest (`core.strategy.MinLatency`).
+    reads: str | None = None
 
     def with_precision(self, precision: str) -> Backend | None:
         """This backend computing in `precision` (a new instance with the same options), or None when it has no such

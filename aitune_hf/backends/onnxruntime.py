@@ -175,6 +175,8 @@ class OnnxRuntimeBackend(Backend):
     def bakes_weights(self) -> bool:  # type: ignore[override]
         return self.weights == "baked"
 
+    reads = "onnx"  # every build reads the tuning's one ONNX export (`Backend.reads`)
+
     @property
     def build_cost(self) -> str:  # type: ignore[override]
         """The int8 variant is a slow build: its dynamic quantization of a whole MiniLM takes 8-21 s (18.3 s on an Ice

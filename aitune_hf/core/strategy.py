@@ -162,6 +162,9 @@ class TuningJob:
         #: The candidates still in contention when the strategy chose (the winner among them): what a refinement times
         #: its new candidates beside.
         self.contenders: list[tuple[Backend, CandidateResult, BuiltBackend]] = []
+        #: Candidates built and checked with one that reads the same form (`Backend.reads`, `_checked_first`) and not
+        #: timed yet, by `describe()`: the tuning call or the search after it times them without building them again.
+        self.prebuilt: dict[str, tuple[CandidateResult, BuiltBackend]] = {}
         #: True when the search should stop before its next build (`core/refine.py`: the plan it searches for is gone).
         self.halted: Callable[[], bool] = lambda: False
         #: The fastest plan the search has timed so far (`MinLatency.refine_step`): the first plan, until one is timed
@@ -561,7 +564,11 @@ class MinLatency(Strategy):
     module class) is skipped on the later blocks of that kind (`KindEvidence`): "skipped: lost on the first 2
     CrossAttnDownBlock2D blocks (...)". One block of the kind where it won or came within 10% keeps it built.
     A slow build of a reduced precision is skipped where a cheap build of that precision settled below
-    `min_speedup` on the block (`_precision_lost`: bf16 without AMX).
+    `min_speedup` on the block and none of it won (`_precision_lost`: bf16 without AMX).
+
+    Anytime (`TuningJob.anytime`): the cheap candidates one at a time, the first that wins clearly serving while the
+    rest is searched after it (`refine_step`); those that read one form (`Backend.reads`, the ONNX export) are built and
+    checked together and timed fastest-on-check first (`_checked_first`).
     """
 
     name = "min_latency"
@@ -675,12 +682,13 @@ class MinLatency(Strategy):
         if not job.deferred:
             return False
         backend = job.deferred.pop(0)
-        if job.budget_spent:
+        prebuilt = job.prebuilt.pop(backend.describe(), None)  # built and checked already: only its timing is left
+        if prebuilt is None and job.budget_spent:
             job.skip_for_budget(backend)
-        elif (lost := _precision_lost(job, backend) or _cannot_win(job, backend)) is not None:
+        elif prebuilt is None and (lost := _precision_lost(job, backend) or _cannot_win(job, backend)) is not None:
             job.skip(backend, lost, kind="evidence")
         else:
-            result, built = job.try_backend(backend)
+            result, built = prebuilt or job.try_backend(backend)
             # A switch needs confidence: at least the rounds the sign test needs for a bound (`timing.MIN_ROUNDS`), and
             # no more than `SEARCH_ROUNDS`: a lead not shown by then is within the noise, and the plan stays.
             rounds = max(min(job.config.repeats, SEARCH_ROUNDS), MIN_ROUNDS)
@@ -747,10 +755,14 @@ class MinLatency(Strategy):
                         break
             # Anytime (`TuningJob.anytime`): the cheap builds one at a time, each timed as soon as it is checked; the
             # first that wins clearly serves, and the rest of the tier is left to the search after it (`refine`).
-            steps = [[b] for b in tier] if job.anytime and not slow_tier and self.skip_slow_builds else [tier]
+            one_at_a_time = job.anytime and not slow_tier and self.skip_slow_builds
+            steps = [[b] for b in tier] if one_at_a_time else [tier]
             for index, step in enumerate(steps):
                 built_now = []
                 for backend in step:
+                    if (prebuilt := job.prebuilt.pop(backend.describe(), None)) is not None:
+                        built_now.append((backend, *prebuilt))
+                        continue
                     if job.budget_spent:
                         job.skip_for_budget(backend)
                         continue
@@ -767,12 +779,16 @@ class MinLatency(Strategy):
                         built_now.append((backend, result, built))
                 if not built_now:
                     continue
+                if one_at_a_time and built_now[0][0].reads is not None:
+                    built_now = [_checked_first(job, built_now[0], steps, index)]
                 later = [b for rest in steps[index + 1 :] for b in rest]
                 first = built_now[0]
+                # Earlier candidates settled below min_speedup cannot win: they are no plan to beat.
+                contenders = [c for c in timed if job.bounds.get(c[1].backend, (0.0, 0.0))[1] >= job.config.min_speedup]
                 if (
                     len(steps) > 1
                     and later
-                    and not timed
+                    and not contenders
                     and (_far_ahead(job, first[1], clear) or _first_look(job, first, clear))
                 ):
                     # A first plan that wins by far on its check alone serves without timed rounds, one clearly ahead
@@ -780,10 +796,9 @@ class MinLatency(Strategy):
                     # the candidates it left.
                     timed, job.deferred = [first], job.deferred + _searched_first(first[0], later)
                     break
-                # Earlier candidates settled below min_speedup cannot win; the rest are timed again, side by side (after
-                # a first look that fell short, on from its rounds: both ran the calls warm there).
-                contenders = [c for c in timed if job.bounds.get(c[1].backend, (0.0, 0.0))[1] >= job.config.min_speedup]
-                warm = not timed and len(built_now) == 1 and bool(first[1].rounds)
+                # The rest are timed again, side by side (after a first look that fell short, on from its rounds: both
+                # ran the calls warm there).
+                warm = not contenders and len(built_now) == 1 and bool(first[1].rounds)
                 survivors = {
                     id(r)
                     for r in job.time(
@@ -858,6 +873,43 @@ def _first_look(job: TuningJob, candidate: tuple[Backend, CandidateResult, Built
     return True
 
 
+def _checked_first(
+    job: TuningJob,
+    built: tuple[Backend, CandidateResult, BuiltBackend],
+    steps: list[list[Backend]],
+    index: int,
+) -> tuple[Backend, CandidateResult, BuiltBackend]:
+    """Anytime tuning's cheap tier, one candidate a step (`steps`, `index` the step that built `built`): the later
+    candidates of the tier that read the same form in the same precision (`Backend.reads`: the ONNX export, made once)
+    are built and checked now (a failed one is done: its row says why), and the one whose check showed it fastest
+    (`TuningJob.estimate`) is timed first; the others come next, in the order of their estimates, and are kept built
+    (`TuningJob.prebuilt`) for their own steps or for the search after a first plan. The first plan is then the
+    candidate most likely to win, whichever comes first in `backends`: measured on an Ice Lake Xeon in fp32, ONNX
+    Runtime settled at 0.65-0.72x on a whole MiniLM, where OpenVINO's ONNX door served 1.09-1.13x (and was timed after
+    it: first tuned call 41.8 s, 32.3 s with this), while on SD small's blocks each won some. One cold run each side,
+    so the estimate only orders: every candidate is still timed before it serves or loses."""
+    backend = built[0]
+    group = [built]
+    rest: list[list[Backend]] = []
+    for step in steps[index + 1 :]:
+        other = step[0]
+        if len(step) != 1 or other.reads != backend.reads or other.precision != backend.precision:
+            rest.append(step)
+        elif (prebuilt := job.prebuilt.pop(other.describe(), None)) is not None:
+            group.append((other, *prebuilt))
+        elif job.budget_spent:
+            rest.append(step)  # its own step records it as skipped for the budget
+        else:
+            result, made = job.try_backend(other)
+            if made is not None:
+                group.append((other, result, made))
+    ranked = sorted(group, key=lambda c: -(job.estimate(c[1]) or 0.0))  # stable: ties keep the order given
+    for other, result, made in ranked[1:]:
+        job.prebuilt[other.describe()] = (result, made)
+    steps[index + 1 :] = [[c[0]] for c in ranked[1:]] + rest
+    return ranked[0]
+
+
 def _searched_first(winner: Backend, later: list[Backend]) -> list[Backend]:
     """The order the search after a first plan tries what it left: the winner's own backend first (its other doors and
     precisions: the likeliest to beat it, and the evidence the other runtimes' candidates are weighed by,
@@ -916,17 +968,25 @@ def _cannot_win(job: TuningJob, backend: Backend) -> str | None:
 
 
 def _precision_lost(job: TuningJob, backend: Backend) -> str | None:
-    """Why a slow build of a reduced precision is not worth making for this block: a cheap build of the same precision
-    was timed here and settled below `min_speedup` (its upper confidence bound under it), so this CPU does not gain
-    from that precision on this block (measured: OpenVINO bf16 0.72x of eager on a MiniLM layer with AVX512-BF16 and
-    no AMX, where Inductor's bf16 compile took 24 s to build, then lost at 0.67x). None when no such evidence is at
-    hand."""
-    for result in job.report.candidates:
-        bounds = job.bounds.get(result.backend)
-        if result.precision == backend.precision and bounds is not None and bounds[1] < job.config.min_speedup:
+    """Why a build of a reduced precision is not worth making for this block (a slow one in the tuning call, any one
+    the search after a first plan comes to): a build of the same precision was timed here and settled below
+    `min_speedup` (its upper confidence bound under it), and none of that precision was timed at `min_speedup` or more,
+    so this CPU does not gain from that precision on this block (measured: OpenVINO bf16 0.72x of eager on a MiniLM
+    layer with AVX512-BF16 and no AMX, where Inductor's bf16 compile took 24 s to build, then lost at 0.67x). None when
+    no such evidence is at hand, and always for fp32: a build that loses in fp32 is that backend's loss, not its
+    precision's (ONNX Runtime fp32 settled at 0.68x on the whole MiniLM on an Ice Lake Xeon, where OpenVINO's ONNX door
+    served 1.13x and its torch.export door was then skipped for it)."""
+    if backend.precision == "fp32":
+        return None
+    same = [r for r in job.report.candidates if r.precision == backend.precision and r.backend in job.bounds]
+    if any((r.speedup or 0.0) >= job.config.min_speedup for r in same):
+        return None
+    for result in same:
+        if job.bounds[result.backend][1] < job.config.min_speedup:
+            slow = f", and {backend.name} builds slowly" if build_cost(backend) == "slow" else ""
             return (
                 f"{result.backend} settled at {result.speedup or 0.0:.2f}x (needs {job.config.min_speedup:.2f}x): "
-                f"{backend.precision} does not pay on this block here, and {backend.name} builds slowly"
+                f"{backend.precision} does not pay on this block here{slow}"
             )
     return None
 
