@@ -181,10 +181,16 @@ def test_candidates_that_read_one_export_are_checked_together_and_the_fastest_on
     registration.detach()
 
 
-def test_a_faster_candidate_that_fails_its_check_never_serves_and_the_first_plan_serves_on() -> None:
+@pytest.mark.parametrize("reads", [None, "onnx"], ids=["searched", "checked-with-the-first"])
+def test_a_faster_candidate_that_fails_its_check_never_serves_and_the_first_plan_serves_on(reads: str | None) -> None:
+    """Searched after the first plan, or (reading the first plan's form, `Backend.reads`) built and checked with it in
+    the call that tunes: a candidate whose check fails never serves, whatever its speed."""
     model, x = Waiting(), torch.randn(4, 8)
-    wrong = Waits("fast_but_wrong", 0.0, wrong=True)
-    registration, _ = _tune(model, {**ANYTIME, "backends": [Waits("first_plan", FIRST_PLAN_S), wrong]}, x)
+    first, wrong = Waits("first_plan", FIRST_PLAN_S), Waits("fast_but_wrong", 0.0, wrong=True)
+    first.reads = wrong.reads = reads
+    registration, out = _tune(model, {**ANYTIME, "backends": [first, wrong]}, x)
+    torch.testing.assert_close(out, model.compute(x))
+    assert (wrong.builds == [threading.current_thread().name]) == (reads is not None), wrong.builds
     assert registration.wait(timeout=60)
     target = registration.targets["Waiting"]
     with torch.no_grad():
@@ -193,7 +199,8 @@ def test_a_faster_candidate_that_fails_its_check_never_serves_and_the_first_plan
     assert target.calls_served.get("fast_but_wrong", 0) == 0 and target.report().backend == "first_plan"
     (signature,) = target.report().signatures
     assert "wrong output" in next(c.error for c in signature.candidates if c.backend == "fast_but_wrong")
-    assert "first_plan stays the fastest" in signature.search
+    if reads is None:
+        assert "first_plan stays the fastest" in signature.search
     registration.detach()
 
 
