@@ -780,7 +780,7 @@ class MinLatency(Strategy):
                 if not built_now:
                     continue
                 if one_at_a_time and built_now[0][0].reads is not None:
-                    built_now = [_checked_first(job, built_now[0], steps, index)]
+                    built_now = [_checked_first(job, built_now[0], steps, index, clear)]
                 later = [b for rest in steps[index + 1 :] for b in rest]
                 first = built_now[0]
                 # Earlier candidates settled below min_speedup cannot win: they are no plan to beat.
@@ -878,6 +878,7 @@ def _checked_first(
     built: tuple[Backend, CandidateResult, BuiltBackend],
     steps: list[list[Backend]],
     index: int,
+    clear: float,
 ) -> tuple[Backend, CandidateResult, BuiltBackend]:
     """Anytime tuning's cheap tier, one candidate a step (`steps`, `index` the step that built `built`): the later
     candidates of the tier that read the same form in the same precision (`Backend.reads`: the ONNX export, made once)
@@ -887,7 +888,12 @@ def _checked_first(
     candidate most likely to win, whichever comes first in `backends`: measured on an Ice Lake Xeon in fp32, ONNX
     Runtime settled at 0.65-0.72x on a whole MiniLM, where OpenVINO's ONNX door served 1.09-1.13x (and was timed after
     it: first tuned call 41.8 s, 32.3 s with this), while on SD small's blocks each won some. One cold run each side,
-    so the estimate only orders: every candidate is still timed before it serves or loses."""
+    so the estimate only orders: every candidate is still timed before it serves or loses. A candidate its check shows
+    far ahead of eager (`FIRST_PLAN_MARGIN`) serves at once (`_far_ahead`): the others are left to the search, unbuilt.
+    """
+    estimate = job.estimate(built[1])
+    if estimate is not None and estimate > FIRST_PLAN_MARGIN * clear:
+        return built
     backend = built[0]
     group = [built]
     rest: list[list[Backend]] = []

@@ -160,15 +160,16 @@ def test_candidates_that_read_one_export_are_checked_together_and_the_fastest_on
     whichever was given first (measured on a whole MiniLM in fp32: ONNX Runtime, given first, lost at 0.68x and was
     timed for 9.7 s before OpenVINO's 1.13x). The other is kept built: the search times it without building it again.
     Every call equals eager."""
-    model, x = Waiting(), torch.randn(4, 8)
-    given_first, fastest = Waits("given_first", 0.6 * EAGER_WAIT_S), Waits("fastest", FIRST_PLAN_S)
+    model, x = SlowEager(), torch.randn(4, 8)
+    # Ahead of eager's 0.2 s, not by far on its check (far ahead, it would serve alone, the rest left to the search).
+    given_first, fastest = Waits("given_first", 0.12), Waits("fastest", FIRST_PLAN_S)
     for backend in (given_first, fastest):
         backend.reads = "onnx"
     registration, out = _tune(model, {**ANYTIME, "backends": [given_first, fastest]}, x)
     torch.testing.assert_close(out, model.compute(x))
     caller = threading.current_thread().name
     assert fastest.builds == [caller] and given_first.builds == [caller], (fastest.builds, given_first.builds)
-    target = registration.targets["Waiting"]
+    target = registration.targets["SlowEager"]
     assert target.report().backend == "fastest", registration.report()
     assert registration.wait(timeout=60) and registration.searching == 0
     assert given_first.builds == [caller]  # timed by the search, not built again
@@ -184,15 +185,17 @@ def test_candidates_that_read_one_export_are_checked_together_and_the_fastest_on
 @pytest.mark.parametrize("reads", [None, "onnx"], ids=["searched", "checked-with-the-first"])
 def test_a_faster_candidate_that_fails_its_check_never_serves_and_the_first_plan_serves_on(reads: str | None) -> None:
     """Searched after the first plan, or (reading the first plan's form, `Backend.reads`) built and checked with it in
-    the call that tunes: a candidate whose check fails never serves, whatever its speed."""
-    model, x = Waiting(), torch.randn(4, 8)
-    first, wrong = Waits("first_plan", FIRST_PLAN_S), Waits("fast_but_wrong", 0.0, wrong=True)
+    the call that tunes (where the first plan is not far ahead on its check: one that is serves alone, the rest left to
+    the search): a candidate whose check fails never serves, whatever its speed."""
+    model, x = (Waiting(), torch.randn(4, 8)) if reads is None else (SlowEager(), torch.randn(4, 8))
+    first = Waits("first_plan", FIRST_PLAN_S if reads is None else 0.12)  # ahead of SlowEager's 0.2 s, not by far
+    wrong = Waits("fast_but_wrong", 0.0, wrong=True)
     first.reads = wrong.reads = reads
     registration, out = _tune(model, {**ANYTIME, "backends": [first, wrong]}, x)
     torch.testing.assert_close(out, model.compute(x))
     assert (wrong.builds == [threading.current_thread().name]) == (reads is not None), wrong.builds
     assert registration.wait(timeout=60)
-    target = registration.targets["Waiting"]
+    target = registration.targets[type(model).__name__]
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(model(x), model.compute(x))
