@@ -888,13 +888,13 @@ def _checked_first(
     (`TuningJob.prebuilt`) for their own steps or for the search after a first plan. The first plan is then the
     candidate most likely to win, whichever comes first in `backends`: measured on an Ice Lake Xeon in fp32, ONNX
     Runtime settled at 0.65-0.72x on a whole MiniLM, where OpenVINO's ONNX door served 1.09-1.13x (and was timed after
-    it: first tuned call 41.8 s, 32.3 s with this), while on SD small's blocks each won some. One cold run each side,
-    so the estimate only orders: every candidate is still timed before it serves or loses.
+    it: first tuned call 41.8-42.3 s, 24.5-32.3 s with this), while on SD small's blocks each won some. One cold run
+    each side, so the estimate only orders: every candidate is still timed before it serves or loses.
 
     Only where the first candidate's check shows it no more than `clear` ahead of eager (ONNX Runtime's 0.98 on that
     MiniLM): one shown ahead is timed first as before (a first look, or at once where far ahead), the others left to
-    the search unbuilt. Checking them all on every block cost SD small's blocks about 3 s before their first tuned call
-    (ONNX Runtime's estimates there 1.6-3.6 on most blocks: 28.4-28.8 s against 24.5-26.6 s), for no change of plan."""
+    the search unbuilt. Checking them all on every block put SD small's first tuned call at 28.4-28.8 s against
+    24.5-26.6 s before (ONNX Runtime's estimates there 1.6-3.6 on most blocks)."""
     estimate = job.estimate(built[1])
     if estimate is None or estimate > clear:
         return built
