@@ -768,8 +768,8 @@ class MinLatency(Strategy):
                         job.skip_for_budget(backend)
                         continue
                     lost = None
-                    if slow_tier and self.skip_slow_builds and backend.precision != "fp32":
-                        lost = _precision_lost(job, backend)
+                    if slow_tier and self.skip_slow_builds:
+                        lost = _precision_lost(job, backend)  # None for fp32: the rule is reduced precision's
                     if lost is None and slow_tier and job.evidence is not None:
                         lost = job.evidence.pruned(job.kind, backend.describe(), self.prune_slow_after)
                     if lost is not None:
@@ -881,15 +881,16 @@ def _checked_first(
     index: int,
     clear: float,
 ) -> tuple[Backend, CandidateResult, BuiltBackend]:
-    """Anytime tuning's cheap tier, one candidate a step (`steps`, `index` the step that built `built`): the later
-    candidates of the tier that read the same form in the same precision (`Backend.reads`: the ONNX export, made once)
-    are built and checked now (a failed one is done: its row says why), and the one whose check showed it fastest
-    (`TuningJob.estimate`) is timed first; the others come next, in the order of their estimates, and are kept built
-    (`TuningJob.prebuilt`) for their own steps or for the search after a first plan. The first plan is then the
-    candidate most likely to win, whichever comes first in `backends`: measured on an Ice Lake Xeon in fp32, ONNX
-    Runtime settled at 0.65-0.72x on a whole MiniLM, where OpenVINO's ONNX door served 1.09-1.13x (and was timed after
-    it: first tuned call 41.8-42.3 s, 24.5-32.3 s with this), while on SD small's blocks each won some. One cold run
-    each side, so the estimate only orders: every candidate is still timed before it serves or loses.
+    """Anytime tuning's cheap tier, one candidate a step (`steps`, `index` the step that built `built`), where
+    `built` is not ahead of eager on its check (below): the later candidates of the tier that read the same form in
+    the same precision (`Backend.reads`: the ONNX export, made once) are built and checked now (a failed one is
+    done: its row says why), and the one whose check showed it fastest (`TuningJob.estimate`) is timed first; the
+    others come next, in the order of their estimates, and are kept built (`TuningJob.prebuilt`) for their own steps
+    or for the search after a first plan. The first plan is then the candidate most likely to win, whichever comes
+    first in `backends`: measured on an Ice Lake Xeon in fp32, ONNX Runtime settled at 0.65-0.72x on a whole MiniLM,
+    where OpenVINO's ONNX door served 1.09-1.13x (and was timed after it: first tuned call 41.8-42.3 s, 24.5-32.3 s
+    with this), while on SD small's blocks each won some. One cold run each side, so the estimate only orders: every
+    candidate is still timed before it serves or loses.
 
     Only where the first candidate's check shows it no more than `clear` ahead of eager (ONNX Runtime's 0.98 on that
     MiniLM): one shown ahead is timed first as before (a first look, or at once where far ahead), the others left to
@@ -902,8 +903,8 @@ def _checked_first(
     group = [built]
     rest: list[list[Backend]] = []
     for step in steps[index + 1 :]:
-        other = step[0]
-        if len(step) != 1 or other.reads != backend.reads or other.precision != backend.precision:
+        (other,) = step  # one candidate a step
+        if other.reads != backend.reads or other.precision != backend.precision:
             rest.append(step)
         elif (prebuilt := job.prebuilt.pop(other.describe(), None)) is not None:
             group.append((other, *prebuilt))
