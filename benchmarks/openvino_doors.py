@@ -5,7 +5,8 @@ router, no guard), per workload, at batch 1 and batch 32, f32 and (where the CPU
     python benchmarks/openvino_doors.py --quick --out /tmp/doors.md
 
 Doors (issue 45): `onnx` (aitune_hf's ONNX export read by OpenVINO), `torch.export` (the same call's `torch.export`
-program through OpenVINO's PyTorch frontend), each built by `OpenVinoBackend(door=...)` with every input dimension
+program through OpenVINO's PyTorch frontend), `trace` (the call's TorchScript trace through that frontend, as
+`convert_model` takes a module), each built by `OpenVinoBackend(door=...)` with every input dimension
 free (a shape family, `specialize=False`); the peer, `convert_model`, is what sentence-transformers' and
 optimum-intel's OpenVINO backends do: `openvino.convert_model(model, example_input=...)` (a TorchScript trace), every
 input dimension made dynamic. Each is compiled with the same properties (one thread, one stream, latency, the precision
@@ -35,9 +36,9 @@ from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as 
 
 from aitune_hf import Stopwatch, hardware, testing
 from aitune_hf.backends import OpenVinoBackend
+from aitune_hf.backends.openvino import DOORS
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DOORS = ("onnx", "torch.export")
 UNFUSED = ("MatMul", "Softmax")
 
 
@@ -166,7 +167,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rounds = 40 if args.quick else 200
     lines = [
-        "# OpenVINO's engine alone: aitune_hf's two doors against `ov.convert_model`",
+        "# OpenVINO's engine alone: aitune_hf's doors against `ov.convert_model`",
         "",
         f"`python benchmarks/{Path(__file__).name}{' --quick' if args.quick else ''}` on {cpu_model()} "
         f"({platform.machine()}), 1 thread, torch {torch.__version__}, openvino "

@@ -196,7 +196,9 @@ class Backend(abc.ABC):
     builds_privately: bool = False
     #: "cheap" (seconds a block: an export, a graph capture) or "slow" (a compiler: tens of seconds a block; measured
     #: on this project's CPUs: Inductor 5-30 s for a small block, the ONNX export 1-5 s). Strategies try cheap builds
-    #: first and skip slow ones where a cheap winner is clear (`core.strategy_base.cheap_first`).
+    #: first and skip slow ones where a cheap winner is clear (`core.strategy_base.cheap_first`). "quick": a cheap
+    #: build that reads no export (OpenVINO's trace door: no export to wait for, where a whole MiniLM's took 8-10 s),
+    #: tried first of the cheap ones on a whole model (`Target.whole`), where anytime tuning looks for its first plan.
     build_cost: str = "cheap"
     #: The intermediate form a build reads where the builds of one tuning share it, or None (a form of its own):
     #: "onnx", the ONNX export, made once per module state and reused by every build that reads it (ONNX Runtime,
@@ -212,9 +214,9 @@ class Backend(abc.ABC):
 
     def variants(self) -> list[Backend]:
         """Other forms of this backend in the same precision, each a candidate of its own in every tuning, whatever the
-        precision asked for (new instances, each `describe()` naming its form): OpenVINO's second door, its PyTorch
-        frontend (`OpenVinoBackend(door=...)`). Reduced-precision variants (`with_precision`) are made of each of
-        them. Default: none."""
+        precision asked for (new instances, each `describe()` naming its form): OpenVINO's other doors, its PyTorch
+        frontend reading a `torch.export` program or a TorchScript trace (`OpenVinoBackend(door=...)`).
+        Reduced-precision variants (`with_precision`) are made of each of them. Default: none."""
         return []
 
     def kernel_variants(self) -> list[Backend]:

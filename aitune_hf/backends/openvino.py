@@ -11,6 +11,7 @@ import importlib.util
 import io
 import logging
 import math
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -30,10 +31,13 @@ from aitune_hf.backends.base import (
 )
 from aitune_hf.backends.onnx.export import (
     EXPORT_REVISION,
+    FlatForward,
     cpu_array,
     dynamic_attempts,
+    exporting,
     leaves_into,
     needs_external_data,
+    private_twin,
 )
 from aitune_hf.backends.onnx.model import CallLayout, obtain, obtain_program
 from aitune_hf.backends.onnx.reuse import sibling_key
@@ -60,7 +64,7 @@ _REVISION = "4"
 #: program through OpenVINO's PyTorch frontend. Neither wins everywhere (docs/backends.md, "The two doors"): the whole
 #: MiniLM's attention stayed unfused read from the ONNX export on an Intel Xeon with AMX (bf16 at batch 1 2.7x slower
 #: than `ov.convert_model`'s), while the SD UNet ran fastest from it (bf16 5.17x eager, 2.04x through torch.export).
-DOORS = ("onnx", "torch.export")
+DOORS = ("onnx", "torch.export", "trace")
 #: The compiled models' file names inside an artifact folder (`CompiledModel.export_model`): the shape family's, and its
 #: specialization to the most common shape where the build made one.
 _BLOB_FILES = ("model.ov.blob", "model.static.ov.blob")
@@ -152,6 +156,12 @@ class OpenVinoBackend(Backend):
         of its own (`from_exported_program` runs its own decompositions: 7 s on a whole MiniLM)."""
         return "onnx" if self.through == DOORS[0] else None
 
+    @property
+    def build_cost(self) -> str:  # type: ignore[override]
+        """The trace door is a quick build (`Backend.build_cost`): it reads no export (a whole MiniLM's took 8-10 s on
+        an Ice Lake Xeon), so on a whole model anytime tuning tries it first (`MinLatency`)."""
+        return "quick" if self.through == "trace" else "cheap"
+
     def _with(self, precision: str, door: str | None) -> OpenVinoBackend:
         return OpenVinoBackend(precision, self.num_threads, self.opset_version, self.specialize, door)
 
@@ -163,7 +173,7 @@ class OpenVinoBackend(Backend):
         return self._with(precision, self.door)
 
     def variants(self) -> list[Backend]:
-        """With no door asked for, the other door (`DOORS`): a candidate of its own, in every precision."""
+        """With no door asked for, the other doors (`DOORS`): each a candidate of its own, in every precision."""
         return [] if self.door is not None else [self._with(self.precision, door) for door in DOORS[1:]]
 
     def cannot_win(
@@ -171,7 +181,7 @@ class OpenVinoBackend(Backend):
         timed: Sequence[tuple[str, str, float | None]],
         elsewhere: Mapping[str, Sequence[tuple[str, str, float | None]]] | None = None,
     ) -> str | None:
-        """Evidence rules for the torch.export door, the variant (`variants()`; the ONNX door is built first and never
+        """Evidence rules for the torch.export and trace doors, the variants (`variants()`; the ONNX door is never
         skipped). The doors give one model two graphs: what one wins by (an attention fused, fewer layout steps) it wins
         in every precision, and on the other blocks of the same model. So the torch.export door is not built:
         - in one precision, where the ONNX door was timed in it on this target, and in another precision the doors were
@@ -192,7 +202,7 @@ class OpenVinoBackend(Backend):
             done = next((speedup for name, _, speedup in timed if name == onnx and speedup is not None), None)
             if done is not None:
                 return (
-                    f"the torch.export door was not ahead of the onnx door here in {precision} ({mine:.2f}x against "
+                    f"the {self.through} door was not ahead of the onnx door here in {precision} ({mine:.2f}x against "
                     f"{theirs:.2f}x), and {onnx} was timed at {done:.2f}x: a door changes the graph, in every precision"
                 )
         compared = {target: pairs for target, other in (elsewhere or {}).items() if (pairs := self._door_pairs(other))}
@@ -205,8 +215,8 @@ class OpenVinoBackend(Backend):
             for target, ((precision, mine, theirs), *_) in list(compared.items())[:3]
         )
         return (
-            f"the torch.export door was ahead of the onnx door on none of the {len(compared)} targets that timed both "
-            f"({shown})"
+            f"the {self.through} door was ahead of the onnx door on none of the {len(compared)} targets that timed "
+            f"both ({shown})"
         )
 
     #: The torch.export door is ahead of the ONNX door where it was timed more than this much faster in one precision
@@ -327,7 +337,9 @@ class OpenVinoBackend(Backend):
         key = ("openvino model", self.through, sibling_key(module, layout.in_leaves, layout.in_spec, layout.dynamic))
         if build.shared is not None and key in build.shared:
             return build.shared[key].clone(), "shared"
-        read = self._through_onnx if self.through == "onnx" else self._through_program
+        read = {"onnx": self._through_onnx, "torch.export": self._through_program, "trace": self._through_trace}[
+            self.through
+        ]
         model, how = read(layout, module, forward, samples)
         if build.shared is not None and how != "reused":
             build.shared[key] = model.clone()
@@ -386,6 +398,187 @@ class OpenVinoBackend(Backend):
             finally:
                 worker.remove()
         return model, how
+
+    def _through_trace(
+        self, layout: CallLayout, module: torch.nn.Module, forward: Callable[..., Any], samples: Sequence[Call]
+    ) -> tuple[Any, str]:
+        """The door through a TorchScript trace, as `openvino.convert_model(model, example_input=...)` takes a
+        module (sentence-transformers' and optimum-intel's way): `torch.jit.trace` of the call's flat forward on a
+        private copy, checked against other recorded calls (`_check_calls`: a graph that differs between them, a branch
+        on their shapes or values that the trace would bake, is no build), converted by OpenVINO's PyTorch frontend,
+        the dimensions the ONNX export would free left free (`_free_dims`). No export and no `torch.export`: the
+        quickest door (a whole MiniLM: trace, check and conversion 2.5 s, compile 0.4 s, against 8-10 s through
+        either program door). For background tuning the trace and conversion run in the build process
+        (`WorkerBuild.module`): the conversion holds the GIL."""
+        checks = _check_calls(layout, samples)
+        attempts = dynamic_attempts(samples) if layout.dynamic else [None]
+        names = (layout.input_names, layout.output_names)
+        if not current_build().private_only:
+            twin, twin_forward = private_twin(module, forward)
+            copy = (twin, twin_forward, layout.in_leaves, layout.in_spec, layout.tensor_positions, module.training)
+            return _traced(copy, checks, attempts, *names), "export"
+        try:
+            worker = WorkerBuild.module(module, forward, layout, (_trace_in_worker, (checks, attempts, *names)))
+        except TuningError as error:
+            raise CandidateUnavailable(
+                f"the trace door traces in the build process while calls are served, and could not trace this block "
+                f"there: {error}"
+            ) from None
+        try:
+            return _read(Path(worker.made["xml"])), "export"
+        finally:
+            worker.remove()
+
+
+#: Other recorded calls a trace is checked against (`_differs`: traced again with each, the graphs compared as
+#: `torch.jit.trace(check_inputs=...)` compares them, without its second runs of both to compare their outputs, which
+#: the candidate's check does on every recorded call): a run of the forward each, the smallest calls first.
+TRACE_CHECKS = 1
+
+
+def _check_calls(layout: CallLayout, samples: Sequence[Call]) -> list[tuple[torch.Tensor, ...]]:
+    """The tensors of up to `TRACE_CHECKS` recorded calls to check the trace door's trace against: calls of the same
+    structure as the traced one (`layout`), of other shapes first, the smallest first."""
+    traced = [layout.in_leaves[i] for i in layout.tensor_positions]
+    others = []
+    for call in samples:
+        leaves, spec = pytree.tree_flatten(call)
+        if spec != layout.in_spec or any(
+            not isinstance(leaf, torch.Tensor) and not _same(leaf, layout.in_leaves[i]) for i, leaf in enumerate(leaves)
+        ):
+            continue
+        tensors = tuple(leaves[i] for i in layout.tensor_positions)
+        if all(a is b for a, b in zip(tensors, traced, strict=True)):
+            continue
+        others.append(tensors)
+    shape = [tuple(t.shape) for t in traced]
+    # Other shapes first (a branch on a shape shows there), then other values; the smallest first (cheapest to trace).
+    others.sort(key=lambda c: ([tuple(t.shape) for t in c] == shape, sum(t.numel() for t in c)))
+    chosen = others[:TRACE_CHECKS]
+    return [tuple(t.detach().clone(memory_format=torch.contiguous_format) for t in c) for c in chosen]
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # a value with no truth to its comparison (an array): taken as another
+        return False
+
+
+def _traced(
+    copy: tuple[torch.nn.Module, Callable[..., Any], list[Any], pytree.TreeSpec, list[int], bool],
+    checks: list[tuple[torch.Tensor, ...]],
+    attempts: list[list[frozenset[int]] | None],
+    input_names: list[str],
+    output_names: list[str],
+) -> Any:
+    """The trace door's model (`OpenVinoBackend._through_trace`): the private copy's call traced (`torch.jit.trace`,
+    checked against `checks`), converted, its inputs' dimensions free as the first of `attempts` that OpenVINO takes
+    lets them be (the ONNX export's `dynamic_attempts`; None: the traced call's shapes), ports named and attention
+    corrected as the torch.export door's (`_converted`)."""
+    import openvino
+
+    twin, twin_forward, in_leaves, in_spec, tensor_positions, training = copy
+    flat = FlatForward(twin, twin_forward, in_leaves, in_spec, tensor_positions, []).train(training)
+    example = tuple(in_leaves[i].detach().clone(memory_format=torch.contiguous_format) for i in tensor_positions)
+    with exporting(), torch.inference_mode(False), torch.no_grad():
+        traced = torch.jit.trace(flat, example, check_trace=False, strict=False)
+        graph = _graph_of(traced)
+        for check in checks:
+            differs = _differs(graph, _graph_of(torch.jit.trace(flat, check, check_trace=False, strict=False)))
+            if differs is not None:
+                raise CandidateUnavailable(
+                    f"the trace differs between recorded calls: a branch on their shapes or values that a trace would "
+                    f"bake ({differs})"
+                )
+        with _root_logger_kept():
+            model = openvino.convert_model(traced, share_weights=False)
+    if len(model.inputs) != len(input_names):
+        raise CandidateUnavailable(
+            f"OpenVINO's PyTorch frontend kept {len(model.inputs)} inputs of a call that passes "
+            f"{len(input_names)} tensors"
+        )
+    for port, name in zip(model.inputs, input_names, strict=True):
+        port.get_tensor().set_names({name})
+    if len(model.outputs) != len(output_names):
+        raise CandidateUnavailable(
+            f"OpenVINO's PyTorch frontend made {len(model.outputs)} outputs of a call that returns {len(output_names)}"
+        )
+    for port, name in zip(model.outputs, output_names, strict=True):
+        port.get_tensor().set_names({name})
+    _free_dims(model, example, attempts)
+    _zero_rows_that_see_no_key(model)
+    unmark_scalar_conversions(model)
+    return model
+
+
+def _graph_of(traced: Any) -> tuple[str, list[Any], list[Any]]:
+    """A trace's graph as `torch.jit.trace(check_inputs=...)` compares traces (canonical, inlined, no shapes, no
+    mangled names: its text), its nodes, and its tensor constants (which the text does not show)."""
+    graph = torch._C._jit_pass_canonicalize(traced.graph)
+    torch._C._jit_pass_inline(graph)
+    torch._C._jit_pass_erase_shape_information(graph)
+    nodes = list(graph.nodes())
+    constants = [n.t("value") for n in nodes if n.kind() == "prim::Constant" and n.hasAttribute("value")
+                 and n.kindOf("value") == "t"]  # fmt: skip
+    return re.sub(r"___torch_mangle_[0-9]+\.", "", str(graph)), nodes, constants
+
+
+def _differs(traced: tuple[str, list[Any], list[Any]], check: tuple[str, list[Any], list[Any]]) -> str | None:
+    """Where two traces' graphs (`_graph_of`) differ, the first node that does and the source line it was traced from;
+    None where they are the same, tensor constants included."""
+    (text, nodes, constants), (check_text, check_nodes, check_constants) = traced, check
+    if text == check_text:
+        if len(constants) == len(check_constants) and all(
+            a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+            for a, b in zip(constants, check_constants, strict=True)
+        ):
+            return None
+        return "a constant differs"
+    kinds, check_kinds = [n.kind() for n in nodes], [n.kind() for n in check_nodes]
+    index = next((i for i, (a, b) in enumerate(zip(kinds, check_kinds, strict=False)) if a != b), None)
+    if index is None and len(kinds) == len(check_kinds):  # the same operations, other arguments
+        index = next(i for i, (a, b) in enumerate(zip(nodes, check_nodes, strict=True)) if str(a) != str(b))
+    index = min(len(kinds), len(check_kinds)) if index is None else index
+    node = nodes[index] if index < len(nodes) else check_nodes[index]
+    source = node.sourceRange().strip().splitlines()
+    return f"first at {node.kind()}" + (f", traced from {source[0].strip()}" if source else "")
+
+
+def _free_dims(model: Any, example: tuple[torch.Tensor, ...], attempts: list[list[frozenset[int]] | None]) -> None:
+    """Set `model`'s input shapes: the example's, with each input's dimensions of the first of `attempts` that OpenVINO
+    takes left free (None: none free). A trace keeps no shapes of its own; the ONNX export frees the same dimensions."""
+    import openvino
+
+    for index, dims in enumerate(attempts):
+        shapes = {}
+        for i, (port, tensor) in enumerate(zip(model.inputs, example, strict=True)):
+            free = dims[i] if dims is not None else frozenset()
+            shapes[port] = openvino.PartialShape([-1 if d in free else size for d, size in enumerate(tensor.shape)])
+        try:
+            model.reshape(shapes)
+            return
+        except Exception:
+            if index == len(attempts) - 1:
+                raise
+            logger.debug("aitune_hf: OpenVINO did not take dims %s free; trying fewer", dims, exc_info=True)
+
+
+def _trace_in_worker(
+    folder: Path,
+    copy: tuple[Any, ...],
+    checks: list[tuple[torch.Tensor, ...]],
+    attempts: list[list[frozenset[int]] | None],
+    input_names: list[str],
+    output_names: list[str],
+) -> dict[str, str]:
+    """In the build process (`WorkerBuild.module`): `_traced`, saved as OpenVINO's IR (weights kept in f32)."""
+    import openvino
+
+    xml = folder / "model.xml"
+    model = _traced(copy, checks, attempts, input_names, output_names)  # type: ignore[arg-type]
+    openvino.save_model(model, str(xml), compress_to_fp16=False)
+    return {"xml": str(xml), "bin": str(xml.with_suffix(".bin"))}
 
 
 def _converted(program: Any, input_names: list[str], output_names: list[str]) -> Any:

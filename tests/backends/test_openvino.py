@@ -29,6 +29,7 @@ from tests.backends.test_fused_kernels import BertBlock, BooleanMaskAttention, _
 from tests.quick import QUICK
 
 FP32 = {"atol": 1e-5, "rtol": 1e-4}  # fp32: OpenVINO sums in another order than eager
+PROGRAM_DOORS = ("onnx", "torch.export")  # the doors that read the `torch.export` program (one trace for both)
 OV = "openvino(door=onnx)"  # the door tests pin where the door is not what they test (one build each, not two)
 CPU = frozenset({torch.device("cpu")})
 
@@ -65,18 +66,22 @@ def test_bf16_is_a_variant_that_computes_bf16_within_the_block_budget() -> None:
     assert ((got - expected).norm() / expected.norm()).item() < 0.05
 
 
-def test_auto_offers_openvino_through_both_doors_in_each_precision_the_cpu_computes() -> None:
+def test_auto_offers_openvino_through_every_door_in_each_precision_the_cpu_computes() -> None:
     """Each door is a candidate of its own in every precision, least reduced first; a door asked for is the only
-    one."""
+    one. The trace door, which reads no export, is a quick build (tried first on a whole model)."""
     offered, skipped = with_precisions([OpenVinoBackend()], TuningConfig(precision="auto"), CPU)
     names = [backend.describe() for backend in offered]
-    assert names[:2] == ["openvino(door=onnx)", "openvino(door=torch.export)"]
+    assert names[:3] == ["openvino(door=onnx)", "openvino(door=torch.export)", "openvino(door=trace)"]
     for door in DOORS:
         assert (f"openvino(door={door}, precision=bf16)" in names) == (cpu_bf16_reason() is None), (names, skipped)
         assert (f"openvino(door={door}, precision=int8)" in names) == (cpu_int8_reason() is None), (names, skipped)
     assert [b.precision for b in offered] == sorted((b.precision for b in offered), key=["fp32", "bf16", "int8"].index)
     fp32, _ = with_precisions([OpenVinoBackend()], TuningConfig(), CPU)
-    assert [b.describe() for b in fp32] == ["openvino(door=onnx)", "openvino(door=torch.export)"]
+    assert [b.describe() for b in fp32] == [
+        "openvino(door=onnx)",
+        "openvino(door=torch.export)",
+        "openvino(door=trace)",
+    ]
     pinned, _ = with_precisions([OpenVinoBackend(door="torch.export")], TuningConfig(precision="auto"), CPU)
     assert {b.through for b in pinned} == {"torch.export"}
 
@@ -221,13 +226,14 @@ class _CountsEagerForwards(BertBlock):
         return super().forward(hidden, mask)
 
 
-@pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize("door", PROGRAM_DOORS)
 def test_a_build_learns_its_outputs_from_the_tunings_eager_replays_and_runs_no_forward_of_its_own(
     monkeypatch: pytest.MonkeyPatch, door: str
 ) -> None:
     """The tuning hands each build the eager outputs it replayed for its references (`BuildContext.outputs`): the build
     learns the output's structure from them instead of running the module once more (a whole MiniLM at batch 32: 0.9 s
-    of every build), and serves what eager computes."""
+    of every build), and serves what eager computes. (The program doors trace with fake tensors; the trace door's
+    trace is a run of the forward, on its private copy.)"""
     eager_in_builds: list[int] = []
     build = OpenVinoBackend.build
 
@@ -255,6 +261,31 @@ def test_a_build_learns_its_outputs_from_the_tunings_eager_replays_and_runs_no_f
     assert eager_in_builds == [1]
 
 
+def test_the_trace_door_traces_in_the_build_process_for_a_private_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the callers' threads (`BuildContext.private_only`: background tuning, the search after a first plan), the
+    trace door's trace and conversion run in the build process (`WorkerBuild.module`; the conversion holds the GIL: a
+    whole MiniLM 1.5-3 s): no trace runs in this process. In the foreground both run here: the call traced and the one
+    its trace is checked against. Either way the build computes what eager computes over a shape family."""
+    traces: list[object] = []
+    trace = torch.jit.trace
+
+    def counted(*args: object, **kwargs: object) -> object:
+        traces.append(args)
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(torch.jit, "trace", counted)
+    module = BertBlock()
+    calls = [((*_bert_call(2, 8),), {}), ((*_bert_call(3, 13),), {})]
+    for private, here in ((True, 0), (False, 2)):
+        traces.clear()
+        with build_context(private_only=private, shared={}), torch.no_grad():
+            built = OpenVinoBackend(num_threads=1, door="trace").build(module, module.forward, calls, dynamic=True)
+        assert len(traces) == here, (private, len(traces))
+        for call in [_bert_call(2, 8), _bert_call(1, 21), _bert_call(4, 5)]:
+            with torch.no_grad():
+                torch.testing.assert_close(built.fn(*call), module(*call), **FP32)
+
+
 def test_both_doors_read_one_trace_and_each_precision_one_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ONNX export is made from the call's `torch.export` program; OpenVINO's PyTorch frontend reads that same
     program (one trace for both doors: whichever builds first traces), and the door's other precisions start from its
@@ -272,7 +303,7 @@ def test_both_doors_read_one_trace_and_each_precision_one_conversion(monkeypatch
     monkeypatch.setattr(model, "trace_flat", counted)
     module = BertBlock()
     calls = [((*_bert_call(2, 8),), {}), ((*_bert_call(3, 13),), {})]
-    for order in (DOORS, DOORS[::-1]):
+    for order in (PROGRAM_DOORS, PROGRAM_DOORS[::-1]):
         traces.clear()
         with build_context(shared={}), torch.no_grad():
             first, second = (
@@ -321,6 +352,18 @@ class _WrongThroughTorchExport(nn.Module):
         return torch.kthvalue(x, 2, dim=-1).values
 
 
+class _BranchesOnItsShape(nn.Module):
+    """A layer with a branch on its batch size, which a trace bakes as the call it traced took it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y * 2.0 if x.shape[0] > 3 else y
+
+
 def test_the_torch_export_door_is_not_built_where_the_evidence_says_it_cannot_win() -> None:
     """Its evidence rules (`OpenVinoBackend.cannot_win`): not built in int8 where the doors were level in bf16 on this
     target and the ONNX door's int8 was timed; not built once two other targets timed both doors and it was ahead on
@@ -349,32 +392,40 @@ def test_the_torch_export_door_is_not_built_where_the_evidence_says_it_cannot_wi
 
 
 @pytest.mark.parametrize(
-    ("module", "serves"),
-    [(_OnlyThroughTorchExport, "torch.export"), (_OnlyThroughOnnx, "onnx"), (_WrongThroughTorchExport, None)],
+    ("module", "fail"),
+    [
+        (_OnlyThroughTorchExport, {"onnx"}),
+        (_OnlyThroughOnnx, {"torch.export", "trace"}),
+        (_WrongThroughTorchExport, {"onnx", "torch.export"}),
+        (_BranchesOnItsShape, set(DOORS)),
+    ],
 )
-def test_a_module_one_door_cannot_take_is_served_through_the_other_and_a_wrong_door_never_serves(module, serves):
-    """Each door is a candidate of its own: where one cannot convert the module, the other serves, and the report says
-    why the first failed; where a door converts it wrong, its check fails and it never serves (eager, with both
-    reasons). Every served call equals eager within fp32 tolerances."""
+def test_a_module_one_door_cannot_take_is_served_through_another_and_a_wrong_door_never_serves(module, fail):
+    """Each door is a candidate of its own: where one cannot convert the module (`fail`), another serves, and the
+    report says why the first failed; where a door converts it wrong (the torch.export door's `kthvalue`), its check
+    fails and it never serves; where a trace would bake a branch on the call's shape (`_BranchesOnItsShape`), the trace
+    door refuses it with why (and the program doors, traced at the widest call, fail their checks on the others: eager
+    serves). Every served call, of the shapes tuned and of others, equals eager within fp32 tolerances."""
     torch.manual_seed(0)
     block = module().eval()
-    x = torch.randn(4, 16)
-    config = {**QUICK, "backends": [OpenVinoBackend(num_threads=1)], "min_speedup": 0, "shapes": "exact"}
+    calls = [torch.randn(4, 16), torch.randn(2, 16), torch.randn(4, 16) - 5.0]
+    config = {**QUICK, "backends": [OpenVinoBackend(num_threads=1)], "min_speedup": 0}
     with register({"block": block}, config) as registration, torch.no_grad():
-        block(x)
+        for x in calls:
+            block(x)
         registration.tune()
-        block(x)
-        served = block(x)
+        for x in [*calls, torch.randn(3, 16), torch.randn(3, 16) - 5.0]:
+            torch.testing.assert_close(block(x), module.forward(block, x), **FP32)
         report = registration.targets["block"].report()
-    torch.testing.assert_close(served, module.forward(block, x), **FP32)
     errors = {c.backend: c.error for c in report.signatures[0].candidates}
-    if serves is None:
-        assert report.backend == "eager" and "wrong output" in errors["openvino(door=torch.export)"], errors
-        assert errors["openvino(door=onnx)"] is not None, errors
+    assert {door for door in DOORS if errors[f"openvino(door={door})"] is not None} == fail, errors
+    if module is _WrongThroughTorchExport:
+        assert "wrong output" in errors["openvino(door=torch.export)"], errors
+    if module is _BranchesOnItsShape:
+        assert "the trace differs between recorded calls" in errors["openvino(door=trace)"], errors
+        assert report.backend == "eager", registration.report()
         return
-    other = next(door for door in DOORS if door != serves)
-    assert report.backend == f"openvino(door={serves})", registration.report()
-    assert errors[f"openvino(door={serves})"] is None and errors[f"openvino(door={other})"], errors
+    assert report.backend in {f"openvino(door={door})" for door in DOORS if door not in fail}, registration.report()
     assert registration.targets["block"].calls_served[report.backend] >= 1
 
 

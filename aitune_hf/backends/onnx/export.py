@@ -177,8 +177,8 @@ def _flat_call(
     training: bool,
     dims: list[frozenset[int]] | None,
 ) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], Any]:
-    """The flat forward of the call (`_FlatForward`), its example tensors and its dynamic shapes, as traced."""
-    flat = _FlatForward(twin, twin_forward, in_leaves, in_spec, tensor_positions, list(weights)).train(training)
+    """The flat forward of the call (`FlatForward`), its example tensors and its dynamic shapes, as traced."""
+    flat = FlatForward(twin, twin_forward, in_leaves, in_spec, tensor_positions, list(weights)).train(training)
     # Weights are passed as they are (no copy) unless they are inference tensors, which the exporter cannot take
     # outside inference mode; tied weights are passed once per name.
     example = tuple(w.clone() if w.is_inference() else w.detach() for w in weights.values())
@@ -371,7 +371,7 @@ def private_twin(module: torch.nn.Module, forward: Callable[..., Any]) -> tuple[
     return twin, types.MethodType(forward.__func__, twin)
 
 
-class _FlatForward(torch.nn.Module):
+class FlatForward(torch.nn.Module):
     """`forward(*weights, *tensors)`: rebuilds the call from its tensor leaves and the baked non-tensor leaves.
 
     With no `weight_names` the module is registered here, so the exporter bakes its weights as initializers.

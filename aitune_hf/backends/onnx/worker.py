@@ -1,6 +1,7 @@
 """The heavy steps of a background build in the build process (`backends/base.py`: `run_in_build_process`): the export,
 and a runtime's own steps on the model (`finish`: ONNX Runtime's fusions, int8 quantization and graph optimisation); or
-the trace alone, with a runtime's steps on it (`WorkerBuild.trace`: OpenVINO's PyTorch frontend converting it).
+the trace alone, with a runtime's steps on it (`WorkerBuild.trace`: OpenVINO's PyTorch frontend converting it); or the
+private copy alone, which a runtime traces its own way (`WorkerBuild.module`: OpenVINO's trace door).
 
 What stays in the serving process: the private copy (a deep copy, as without the build process) and its pickling,
 reading the exported model back (for another precision's build, and the export before onnxscript's optimizer for
@@ -96,6 +97,19 @@ class WorkerBuild:
         return cls._call({**job, "form": "program"}, None, finish, strict=True)
 
     @classmethod
+    def module(
+        cls, module: torch.nn.Module, forward: Callable[..., Any], layout: Layout, finish: Finish
+    ) -> WorkerBuild:
+        """`finish(folder, (copy, copy_forward, in_leaves, in_spec, tensor_positions, training), *args)` in the build
+        process, on a private copy of the block: the runtime traces it its own way (OpenVINO's trace door,
+        `torch.jit.trace`). No ONNX model is made. Raises `TuningError` (with what failed) where the block cannot go
+        there or `finish` failed."""
+        job = cls._job(module, forward, layout, [None], None, raw=False)
+        if job is None:
+            raise TuningError("the block cannot be pickled for the build process")
+        return cls._call({**job, "form": "module"}, None, finish, strict=True)  # type: ignore[return-value]
+
+    @classmethod
     def _job(
         cls,
         module: torch.nn.Module,
@@ -186,6 +200,12 @@ def build_in_worker(
             return twin, types.MethodType(function, twin), weights, in_leaves
 
         flat = (job["spec"], job["tensor_positions"], job["training"])
+        if job.get("form") == "module":  # the copy itself, traced by `finish` (`WorkerBuild.module`)
+            assert finish is not None
+            twin, twin_forward, _, in_leaves = fresh()
+            fn, args = finish
+            made.update(fn(directory, (twin, twin_forward, in_leaves, *flat), *args))
+            return made
         if job.get("form") == "program":  # the trace alone, handed to `finish` (`WorkerBuild.trace`)
             assert finish is not None
             program = first_that_traces(
