@@ -84,7 +84,7 @@ class TuningConfig:
         background: tune on a worker thread while calls keep being served (eager, or by what is tuned already): no
             call waits for a tuning; only backends that build from a private copy of the module take part (ONNX
             Runtime; Inductor compiles the live module). docs/serving.md.
-        anytime: serve the first plan that is correct and beats eager clearly as soon as it is checked and timed (and,
+        anytime: serve the first plan that is correct and faster than eager as soon as it is checked and timed (and,
             in reduced precision, gated), and search the other cheap candidates after it on the worker, off the
             callers' threads, switching only to a plan measured faster that passes the same checks (default;
             `core/refine.py`, docs/backends.md). False: every candidate is tried before anything serves.

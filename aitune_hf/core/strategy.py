@@ -149,8 +149,11 @@ class TuningJob:
         baseline: Callable[..., Any] | None = None,
         anytime: bool = False,
         back_to_back: bool = False,
+        whole: bool = False,
     ) -> None:
         started = clock() if started is None else started
+        #: The target is a whole model (`Target.whole`): anytime tuning tries its quick builds first (`MinLatency`).
+        self.whole = whole
         #: The target's calls run back to back (`Target.back_to_back`): where a candidate keeps its own copy of the
         #: weights, candidates are timed in warm turns (`timing.time_until_settled`), as they will serve.
         self.back_to_back = back_to_back
@@ -566,10 +569,12 @@ class MinLatency(Strategy):
     A slow build of a reduced precision is skipped where a cheap build of that precision settled below
     `min_speedup` on the block and none of it won (`_precision_lost`: bf16 without AMX).
 
-    Anytime (`TuningJob.anytime`): the cheap candidates one at a time, the first that wins clearly serving while the
-    rest is searched after it (`refine_step`); where the first is not ahead of eager on its check, those that read its
-    form (`Backend.reads`, the ONNX export) are built and checked with it and timed fastest-on-check first
-    (`_checked_first`).
+    Anytime (`TuningJob.anytime`): the cheap candidates one at a time (on a whole model, `TuningJob.whole`, a quick
+    build first: OpenVINO's trace door, which waits for no export), the first that is faster than eager serving while
+    the rest is searched after it (`refine_step`): one clearly ahead at once, one only ahead (`FIRST_PLAN_BAR`) as a
+    first look that the search times against eager fully first. Where the first is not ahead of eager on its check,
+    those that read its form (`Backend.reads`, the ONNX export) are built and checked with it and timed
+    fastest-on-check first (`_checked_first`).
     """
 
     name = "min_latency"
@@ -730,6 +735,8 @@ class MinLatency(Strategy):
         won clearly; returns every candidate still in contention, timed side by side."""
         cheap = [b for b in backends if build_cost(b) == "cheap"]
         slow = [b for b in backends if build_cost(b) == "slow"]
+        if job.anytime and job.whole:  # a whole model's first plan: a quick build first (no export to wait for)
+            cheap.sort(key=lambda backend: getattr(backend, "build_cost", None) != "quick")
         if self.order == "given":  # one tier, in the order given: nothing is skipped for its cost
             cheap, slow = backends, []
         for tier, thresholds, slow_tier in (
@@ -754,8 +761,22 @@ class MinLatency(Strategy):
                     tier = [b for b in tier if b.precision not in beaten]
                     if not tier:
                         break
+                elif job.anytime and low > FIRST_PLAN_BAR and (winner[1].speedup or 0.0) >= job.config.min_speedup:
+                    # Anytime, a plan ahead of eager serves now: a slow build that builds from a private copy is left
+                    # to the search after it; one that compiles the live module cannot be built there, and is skipped
+                    # (anytime=False builds it in the call). Building it here put SD small's first tuned call at 63 s
+                    # (Inductor: 17 s on unet.down_blocks.0, where OpenVINO served 1.22x).
+                    for backend in [b for b in tier if not b.builds_privately]:
+                        job.skip(
+                            backend,
+                            f"{winner[1].backend} serves as a first plan ({winner[1].speedup:.2f}x), and "
+                            f"{backend.name} builds slowly from the live module, which the search after it cannot "
+                            f"(anytime=False builds it in the call that tunes)",
+                        )
+                    job.deferred += [b for b in tier if b.builds_privately]
+                    break
             # Anytime (`TuningJob.anytime`): the cheap builds one at a time, each timed as soon as it is checked; the
-            # first that wins clearly serves, and the rest of the tier is left to the search after it (`refine`).
+            # first faster than eager serves, and the rest of the tier is left to the search after it (`refine`).
             one_at_a_time = job.anytime and not slow_tier and self.skip_slow_builds
             steps = [[b] for b in tier] if one_at_a_time else [tier]
             for index, step in enumerate(steps):
@@ -798,13 +819,15 @@ class MinLatency(Strategy):
                     timed, job.deferred = [first], job.deferred + _searched_first(first[0], later)
                     break
                 # The rest are timed again, side by side (after a first look that fell short, on from its rounds: both
-                # ran the calls warm there).
+                # ran the calls warm there). Anytime, a lone first candidate is timed until it is settled against eager
+                # itself (`FIRST_PLAN_BAR`): the question of a first plan is whether it is faster, not by how much.
                 warm = not contenders and len(built_now) == 1 and bool(first[1].rounds)
+                lone = one_at_a_time and later and not contenders and len(built_now) == 1
                 survivors = {
                     id(r)
                     for r in job.time(
                         [(r, built) for _, r, built in contenders + built_now],
-                        thresholds,
+                        (FIRST_PLAN_BAR,) if lone else thresholds,
                         warmup=0 if warm else None,
                         resume=warm,
                     )
@@ -814,7 +837,22 @@ class MinLatency(Strategy):
                     c for c in contenders + built_now if id(c[1]) in survivors
                 ]
                 winner = _best(timed)
-                if later and winner is not None and job.bounds.get(winner[1].backend, (0.0, 0.0))[0] > clear:
+                low = job.bounds.get(winner[1].backend, (0.0, 0.0))[0] if winner is not None else 0.0
+                if later and winner is not None and low > clear:
+                    job.deferred += _searched_first(winner[0], later)
+                    break
+                if (
+                    lone
+                    and winner is not None
+                    and (winner[1].speedup or 0.0) >= job.config.min_speedup
+                    and low > FIRST_PLAN_BAR
+                ):
+                    # Faster than eager, not clearly by `clear`: it serves as a first look (the search times it against
+                    # eager fully first, `refine_step`, and eager leads where that puts it below `min_speedup`), and
+                    # the rest of the tier is searched after it. Timing every candidate here instead put a whole
+                    # MiniLM's first tuned call at 84 s on an Ice Lake Xeon in fp32 (OpenVINO 1.08-1.16x: each timed
+                    # up to 15 rounds of a 0.9 s call, twice).
+                    job.first_look = True
                     job.deferred += _searched_first(winner[0], later)
                     break
         return timed
@@ -842,6 +880,12 @@ SEARCH_ROUNDS = 8
 #: side). Measured on real MiniLM whole at batch 32: OpenVINO bf16 3.1-3.9x, where the timed rounds of the first plan
 #: took 9-12 s (eager's 1 s call in each of at least 7 rounds).
 FIRST_PLAN_MARGIN = 2.0
+
+
+#: Anytime tuning's bar for a first plan timed alone (`MinLatency._tiers`): settled faster than eager itself (the lower
+#: bound of its speed-up above this), its median at `min_speedup` or more. One clearly ahead (above `clear_speedup`)
+#: skips the slow builds; one only ahead serves as a first look, the search timing it against eager fully first.
+FIRST_PLAN_BAR = 1.0
 
 
 #: A first plan not far ahead on its check serves after a first look of this many looks beside eager: its check's

@@ -250,6 +250,10 @@ class Target:
         #: Targets for blocks inside this one, where it is kept whole over them (`regarding`): calls no route of its own
         #: serves run its forward with its blocks routing their own calls, and its candidates are timed against that.
         self.inner: tuple[Target, ...] = ()
+        #: A whole model (a pipeline's or a wrapper's component, marked by `aitune_hf.hf`), not a block of one: anytime
+        #: tuning tries its quick builds first (`Backend.build_cost`: OpenVINO whole through its trace door, the
+        #: peer's own path, with no ONNX export to wait for: a whole MiniLM's took 8-10 s on an Ice Lake Xeon).
+        self.whole = False
         #: Kept whole over its blocks only to measure the whole against them (`targets="blocks"` with
         #: `compare_whole=True`): a decision the whole wins is reported (`SignatureReport.measured_whole`), not served.
         self.measure_only = False
@@ -1066,7 +1070,7 @@ class Target:
             job = TuningJob(
                 self.module, self.original_forward, samples, context.config, restriction, builds_family, started,
                 name=self.name, evidence=context.evidence, baseline=self._through_blocks if self.inner else None,
-                anytime=context.config.anytime, back_to_back=self.back_to_back,
+                anytime=context.config.anytime, back_to_back=self.back_to_back, whole=self.whole,
             )  # fmt: skip
         except NoEvidence as error:
             self._no_evidence = str(error)  # nothing decided: record again, tune when armed again

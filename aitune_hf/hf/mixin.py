@@ -458,6 +458,7 @@ def _register(
     registration = register(as_modules(found), config)
     try:
         _apply_weight_motion(registration, found)
+        _mark_whole(registration, found if auto or targets == "components" else [])
         for component in found if auto else ():
             allowed = set(component_backends) | (_GENERATIVE_BACKENDS if generates(component.module) else set())
             reason = f"auto mode tries whole components with {', '.join(sorted(allowed))} only"
@@ -495,6 +496,7 @@ def _register_compared(
     found: list[FoundTarget] = []
     try:
         _apply_weight_motion(registration, [*components, *loose])
+        _mark_whole(registration, components)
         allowed = set(backends)
         reason = f"compare_whole measures whole components in fp32 with {', '.join(sorted(allowed))} only"
         for component, inside in held.values():
@@ -509,6 +511,13 @@ def _register_compared(
         registration.detach()  # all or nothing
         raise
     return [*found, *loose], registration
+
+
+def _mark_whole(registration: Registration, components: list[FoundTarget]) -> None:
+    """Mark the targets of whole components (`targets="components"`, "auto"; a VAE's encoder and decoder each one) as
+    whole models (`Target.whole`: anytime tuning tries quick builds first on them)."""
+    for component in components:
+        registration.targets[component.name].whole = True
 
 
 def _blocks_inside(component: FoundTarget, blocks: list[FoundTarget]) -> list[FoundTarget]:

@@ -132,6 +132,7 @@ def test_enable_aitune_on_an_object_built_elsewhere(pipeline_folders) -> None:
     registration = enable_aitune(pipe, targets="components", backends=[], progress=False)
     assert isinstance(pipe, StableDiffusionPipeline) and pipe.aitune is registration
     assert list(registration.modules) == ["vae.encoder", "vae.decoder", "text_encoder", "unet"]
+    assert all(target.whole for target in registration.targets.values())  # whole models: quick builds first
     with pytest.raises(RuntimeError, match="already enabled"):
         pipe.enable_aitune()
     pipe.disable_aitune()
@@ -143,6 +144,7 @@ def test_enable_aitune_on_an_object_built_elsewhere(pipeline_folders) -> None:
 def test_save_pretrained_writes_the_real_class_and_plain_diffusers_reloads(pipeline_folders, tmp_path) -> None:
     pipe = _load(pipeline_folders["sd"])
     pipe.enable_aitune("blocks", backends=[], progress=False)
+    assert not any(target.whole for target in pipe.aitune.targets.values())  # blocks, no whole model
     run(pipe, "sd")
     pipe.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "model_index.json").read_text())["_class_name"] == "StableDiffusionPipeline"
