@@ -500,16 +500,8 @@ def _traced(
         )
     for port, name in zip(model.inputs, input_names, strict=True):
         port.get_tensor().set_names({name})
-    if len(model.outputs) != len(output_names):
-        raise CandidateUnavailable(
-            f"OpenVINO's PyTorch frontend made {len(model.outputs)} outputs of a call that returns {len(output_names)}"
-        )
-    for port, name in zip(model.outputs, output_names, strict=True):
-        port.get_tensor().set_names({name})
     _free_dims(model, example, attempts)
-    _zero_rows_that_see_no_key(model)
-    unmark_scalar_conversions(model)
-    return model
+    return _outputs_named_and_corrected(model, output_names)
 
 
 def _graph_of(traced: Any) -> tuple[str, list[Any], list[Any]]:
@@ -596,6 +588,13 @@ def _converted(program: Any, input_names: list[str], output_names: list[str]) ->
         port = by_name.get(f"tensors_{index}")
         if port is not None:  # an input the graph does not read may be gone, as from the ONNX export
             port.get_tensor().set_names({name})
+    return _outputs_named_and_corrected(model, output_names)
+
+
+def _outputs_named_and_corrected(model: Any, output_names: list[str]) -> Any:
+    """What OpenVINO's PyTorch frontend made of a call, through either of its doors: its outputs named as the ONNX
+    export names them, its attention's fully masked rows zeroed (`_zero_rows_that_see_no_key`) and its one-element
+    constants' conversions left to fold (`unmark_scalar_conversions`). In place; returns the model."""
     if len(model.outputs) != len(output_names):
         raise CandidateUnavailable(
             f"OpenVINO's PyTorch frontend made {len(model.outputs)} outputs of a call that returns {len(output_names)}"
