@@ -36,9 +36,9 @@ from machine import cpu_model  # benchmarks/ is on sys.path: the scripts run as 
 
 from aitune_hf import Stopwatch, hardware, testing
 from aitune_hf.backends import OpenVinoBackend
-from aitune_hf.backends.openvino import DOORS
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DOORS = OpenVinoBackend.doors
 UNFUSED = ("MatMul", "Softmax")
 
 

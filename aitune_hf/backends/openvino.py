@@ -104,6 +104,8 @@ class OpenVinoBackend(Backend):
     """
 
     name = "openvino"
+    #: The values `door=` takes besides None (`DOORS`).
+    doors = DOORS
     polymorphic = True
     builds_privately = True  # exports a private copy of the module (`onnx.export.private_twin`)
     build_process_imports = ("openvino", "openvino.frontend.pytorch", "onnx", "torch.onnx")
