@@ -1,7 +1,8 @@
-"""OpenVINO: a block or component compiled for the CPU through either door, each a candidate of its own: its ONNX
-export (`backends/onnx/`, the one ONNX Runtime reads) read back, or the `torch.export` program that export is made from,
-through OpenVINO's PyTorch frontend (one trace for both doors: whichever builds first traces it). In an explicit
-precision, one compiled model per shape family, one infer request per calling thread."""
+"""OpenVINO: a block or component compiled for the CPU through any of its doors, each a candidate of its own: its ONNX
+export (`backends/onnx/`, the one ONNX Runtime reads) read back, or through OpenVINO's PyTorch frontend the
+`torch.export` program that export is made from (one trace for both: whichever builds first traces it) or the call's
+TorchScript trace (as `convert_model` takes a module). In an explicit precision, one compiled model per shape family,
+one infer request per calling thread."""
 
 from __future__ import annotations
 
@@ -61,9 +62,10 @@ _INT8_GROUP = 32
 #: 4: that door's conversions of one-element constants left to fold (`unmark_scalar_conversions`).
 _REVISION = "4"
 #: The doors a model takes into OpenVINO (`OpenVinoBackend(door=...)`): its ONNX export read back, or its torch.export
-#: program through OpenVINO's PyTorch frontend. Neither wins everywhere (docs/backends.md, "The two doors"): the whole
-#: MiniLM's attention stayed unfused read from the ONNX export on an Intel Xeon with AMX (bf16 at batch 1 2.7x slower
-#: than `ov.convert_model`'s), while the SD UNet ran fastest from it (bf16 5.17x eager, 2.04x through torch.export).
+#: program, or its TorchScript trace (as `convert_model` takes a module), through OpenVINO's PyTorch frontend. No door
+#: wins everywhere (docs/backends.md, "The doors"): the whole MiniLM's attention stayed unfused read from the ONNX
+#: export on an Intel Xeon with AMX (bf16 at batch 1 2.7x slower than `ov.convert_model`'s), while the SD UNet ran
+#: fastest from it (bf16 5.17x eager, 2.04x through torch.export).
 DOORS = ("onnx", "torch.export", "trace")
 #: The compiled models' file names inside an artifact folder (`CompiledModel.export_model`): the shape family's, and its
 #: specialization to the most common shape where the build made one.
@@ -185,7 +187,7 @@ class OpenVinoBackend(Backend):
     ) -> str | None:
         """Evidence rules for the torch.export and trace doors, the variants (`variants()`; the ONNX door is never
         skipped). The doors give one model two graphs: what one wins by (an attention fused, fewer layout steps) it wins
-        in every precision, and on the other blocks of the same model. So the torch.export door is not built:
+        in every precision, and on the other blocks of the same model. So a variant door is not built:
         - in one precision, where the ONNX door was timed in it on this target, and in another precision the doors were
           both timed here and this door was not ahead (by more than `DOOR_MARGIN`);
         - anywhere, once both doors were timed in one precision on `DOOR_EVIDENCE` other targets of the same model
@@ -409,9 +411,9 @@ class OpenVinoBackend(Backend):
         private copy, checked against other recorded calls (`_check_calls`: a graph that differs between them, a branch
         on their shapes or values that the trace would bake, is no build), converted by OpenVINO's PyTorch frontend,
         the dimensions the ONNX export would free left free (`_free_dims`). No export and no `torch.export`: the
-        quickest door (a whole MiniLM: trace, check and conversion 2.5 s, compile 0.4 s, against 8-10 s through
-        either program door). For background tuning the trace and conversion run in the build process
-        (`WorkerBuild.module`): the conversion holds the GIL."""
+        quickest door (a whole MiniLM at batch 32 in a tuning call on an Ice Lake Xeon: 5.9-8.4 s, where ONNX
+        Runtime's build, which makes the export the ONNX door reads, took 7.3-12.2 s). For background tuning the trace
+        and conversion run in the build process (`WorkerBuild.module`): the conversion holds the GIL."""
         checks = _check_calls(layout, samples)
         attempts = dynamic_attempts(samples) if layout.dynamic else [None]
         names = (layout.input_names, layout.output_names)
