@@ -441,32 +441,21 @@ TRACE_CHECKS = 1
 
 
 def _check_calls(layout: CallLayout, samples: Sequence[Call]) -> list[tuple[torch.Tensor, ...]]:
-    """The tensors of up to `TRACE_CHECKS` recorded calls to check the trace door's trace against: calls of the same
-    structure as the traced one (`layout`), of other shapes first, the smallest first."""
+    """The tensors of up to `TRACE_CHECKS` recorded calls other than the traced one (`layout`'s) to check the trace
+    door's trace against, of other shapes first, the smallest first. The calls of one build share the traced call's
+    structure and plain values (its shape family, `InputSignature.family`), as `_most_calls_shape` reads them."""
     traced = [layout.in_leaves[i] for i in layout.tensor_positions]
     others = []
     for call in samples:
-        leaves, spec = pytree.tree_flatten(call)
-        if spec != layout.in_spec or any(
-            not isinstance(leaf, torch.Tensor) and not _same(leaf, layout.in_leaves[i]) for i, leaf in enumerate(leaves)
-        ):
-            continue
+        leaves = pytree.tree_leaves(call)
         tensors = tuple(leaves[i] for i in layout.tensor_positions)
-        if all(a is b for a, b in zip(tensors, traced, strict=True)):
-            continue
-        others.append(tensors)
+        if not all(a is b for a, b in zip(tensors, traced, strict=True)):
+            others.append(tensors)
     shape = [tuple(t.shape) for t in traced]
     # Other shapes first (a branch on a shape shows there), then other values; the smallest first (cheapest to trace).
     others.sort(key=lambda c: ([tuple(t.shape) for t in c] == shape, sum(t.numel() for t in c)))
     chosen = others[:TRACE_CHECKS]
     return [tuple(t.detach().clone(memory_format=torch.contiguous_format) for t in c) for c in chosen]
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return a is b or bool(a == b)
-    except Exception:  # a value with no truth to its comparison (an array): taken as another
-        return False
 
 
 def _traced(

@@ -761,7 +761,7 @@ class MinLatency(Strategy):
                     tier = [b for b in tier if b.precision not in beaten]
                     if not tier:
                         break
-                elif job.anytime and low > FIRST_PLAN_BAR and (winner[1].speedup or 0.0) >= job.config.min_speedup:
+                elif job.anytime and _ahead(job, winner):
                     # Anytime, a plan ahead of eager serves now: a slow build that builds from a private copy is left
                     # to the search after it; one that compiles the live module cannot be built there, and is skipped
                     # (anytime=False builds it in the call). Building it here put SD small's first tuned call at 63 s
@@ -837,16 +837,10 @@ class MinLatency(Strategy):
                     c for c in contenders + built_now if id(c[1]) in survivors
                 ]
                 winner = _best(timed)
-                low = job.bounds.get(winner[1].backend, (0.0, 0.0))[0] if winner is not None else 0.0
-                if later and winner is not None and low > clear:
+                if later and winner is not None and job.bounds.get(winner[1].backend, (0.0, 0.0))[0] > clear:
                     job.deferred += _searched_first(winner[0], later)
                     break
-                if (
-                    lone
-                    and winner is not None
-                    and (winner[1].speedup or 0.0) >= job.config.min_speedup
-                    and low > FIRST_PLAN_BAR
-                ):
+                if lone and winner is not None and _ahead(job, winner):
                     # Faster than eager, not clearly by `clear`: it serves as a first look (the search times it against
                     # eager fully first, `refine_step`, and eager leads where that puts it below `min_speedup`), and
                     # the rest of the tier is searched after it. Timing every candidate here instead put a whole
@@ -898,6 +892,14 @@ FIRST_PLAN_BAR = 1.0
 #: 0.65 s one), three timed rounds 3.8 s (1.37x, 1.43x, 1.71x in one run); the check's run is one of them, spared.
 FIRST_LOOK_ROUNDS = 3
 FIRST_LOOK_MARGIN = 1.1
+
+
+def _ahead(job: TuningJob, candidate: tuple[Backend, CandidateResult, BuiltBackend]) -> bool:
+    """True where `candidate` was timed settled faster than eager itself (its lower bound above `FIRST_PLAN_BAR`) with
+    a median of `min_speedup` or more: anytime tuning serves it as a first plan, clearly ahead or not."""
+    result = candidate[1]
+    low = job.bounds.get(result.backend, (0.0, 0.0))[0]
+    return low > FIRST_PLAN_BAR and (result.speedup or 0.0) >= job.config.min_speedup
 
 
 def _first_look(job: TuningJob, candidate: tuple[Backend, CandidateResult, BuiltBackend], clear: float) -> bool:
