@@ -39,11 +39,13 @@ def _build(backend: OpenVinoBackend, module: nn.Module, calls: list[tuple], dyna
         return backend.build(module, module.forward, [(call, {}) for call in calls], dynamic=dynamic)
 
 
-def test_fp32_computes_in_f32_over_a_shape_family_even_where_the_cpu_has_bf16() -> None:
-    """OpenVINO's own default on a CPU with AVX512-BF16 or AMX is bf16: the fp32 build must say f32 and be within fp32
-    tolerances on lengths and batch sizes it was not built on, with one compiled model."""
+@pytest.mark.parametrize("door", DOORS)
+def test_fp32_computes_in_f32_over_a_shape_family_even_where_the_cpu_has_bf16(door: str) -> None:
+    """OpenVINO's own default on a CPU with AVX512-BF16 or AMX is bf16: the fp32 build, through every door, must say
+    f32 and be within fp32 tolerances on lengths and batch sizes it was not built on, with one compiled model."""
     module = BertBlock()
-    built = _build(OpenVinoBackend(num_threads=1), module, [_bert_call(2, 8), _bert_call(3, 13)], dynamic=True)
+    backend = OpenVinoBackend(num_threads=1, door=door)
+    built = _build(backend, module, [_bert_call(2, 8), _bert_call(3, 13)], dynamic=True)
     assert "float32" in built.fn.precision()
     assert built.dynamic_dims is not None and {0, 1} <= built.dynamic_dims[0]
     for batch, length in [(1, 5), (4, 31), (2, 8)]:
@@ -514,13 +516,14 @@ def test_a_warm_cache_imports_the_int8_model_as_compiled(tmp_path: Path) -> None
     assert linear[1] == linear[0]  # the same layers in int8 as compiled
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_a_weight_edit_is_seen_and_the_served_output_stays_eager_s(precision: str) -> None:
-    """The weights are baked into the compiled model (int8: compressed into it): an in-place edit (no version bump) is
-    caught by the core's weight check, and the call returns what eager returns now."""
+@pytest.mark.parametrize(("precision", "door"), [("fp32", "onnx"), ("int8", "onnx"), ("fp32", "trace")])
+def test_a_weight_edit_is_seen_and_the_served_output_stays_eager_s(precision: str, door: str) -> None:
+    """The weights are baked into the compiled model (int8: compressed into it; the trace door: frozen into its
+    TorchScript graph, then OpenVINO's constants): an in-place edit (no version bump) is caught by the core's weight
+    check, and the call returns what eager returns now."""
     module = BertBlock()
     call = _bert_call(2, 8)
-    backend = OpenVinoBackend(precision=precision, door="onnx")
+    backend = OpenVinoBackend(precision=precision, door=door)
     config = {**QUICK, "backends": [backend], "min_speedup": 0, "shapes": "exact"}
     with register({"block": module}, config) as registration, torch.no_grad():
         module(*call)
