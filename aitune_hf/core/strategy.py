@@ -751,7 +751,7 @@ class MinLatency(Strategy):
                 if low > clear:
                     # A clear win skips the slow builds in fp32 and in the winner's own precision; those of another
                     # reduced precision are still built (the end-to-end gate may send an int8 win back, where bf16
-                    # would pass).
+                    # would pass): here, or anytime by the search after the plan (below).
                     beaten = ("fp32", winner[0].precision)
                     for backend in [b for b in tier if b.precision in beaten]:
                         job.skip(
@@ -761,11 +761,13 @@ class MinLatency(Strategy):
                     tier = [b for b in tier if b.precision not in beaten]
                     if not tier:
                         break
-                elif job.anytime and _ahead(job, winner):
+                if job.anytime and _ahead(job, winner):
                     # Anytime, a plan ahead of eager serves now: a slow build that builds from a private copy is left
                     # to the search after it; one that compiles the live module cannot be built there, and is skipped
                     # (anytime=False builds it in the call). Building it here put SD small's first tuned call at 63 s
-                    # (Inductor: 17 s on unet.down_blocks.0, where OpenVINO served 1.22x).
+                    # (Inductor: 17 s on unet.down_blocks.0, where OpenVINO served 1.22x), and a whole MiniLM's at
+                    # 23.7 s where OpenVINO bf16 won clearly (ONNX Runtime's int8, another reduced precision: 9.5 s in
+                    # the call; the search declines it once OpenVINO's int8 is timed, `Backend.cannot_win`).
                     for backend in [b for b in tier if not b.builds_privately]:
                         job.skip(
                             backend,
