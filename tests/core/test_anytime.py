@@ -470,6 +470,27 @@ def test_identical_siblings_follow_the_search_of_the_first() -> None:
     registration.detach()
 
 
+def test_a_sibling_that_keeps_the_first_plan_reports_what_the_search_timed() -> None:
+    """A first plan served on its check's estimate (far ahead: about 5x) and timed by its search at about 2x (it waits
+    longer on the worker) stays; the identical sibling that took it reports the figures the search left, as the owner
+    does, not the estimate (SD small's CLIP layers 1-3 read 7.15x where layer 0's row read 1.46x)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Waiting(), Waiting()).eval()
+    x = torch.randn(4, 8)
+    first = Waits("first_plan", FIRST_PLAN_S, worker_wait_s=0.02)
+    registration, _ = _tune(model, {**ANYTIME, "backends": [first, Waits("slower", 0.035)]}, x)
+    assert registration.targets["1"].report().signatures[0].shared_from == "0"
+    assert registration.wait(timeout=60) and registration.searching == 0
+    owner, sibling = (registration.targets[name].report().signatures[0] for name in ("0", "1"))
+    assert owner.chosen == sibling.chosen == "first_plan", registration.report()
+    assert owner.speedup is not None and owner.speedup < 3.5, registration.report()  # the search's, not the estimate
+    assert (sibling.speedup, sibling.eager_latency_s) == (owner.speedup, owner.eager_latency_s), registration.report()
+    assert sibling.chosen_latency_s == owner.chosen_latency_s
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model[1].compute(model[0].compute(x)))
+    registration.detach()
+
+
 def test_detach_drops_a_search_in_flight_and_restores_every_forward() -> None:
     model, x = Waiting(), torch.randn(4, 8)
     slow = Waits("slow_to_build", 0.0, build_s=1.5)
