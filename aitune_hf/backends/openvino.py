@@ -201,19 +201,21 @@ class OpenVinoBackend(Backend):
         MiniLM first (benchmarks/results/anytime_amd.md, the last section), the ONNX door's int8 was searched after its
         bf16 was timed level with the trace door's (2.16x against 2.22x): 9.5 s more, at 2.28x where the trace door's
         int8 read 2.29x."""
-        for precision, mine, door, theirs in self._door_rivals(timed):
-            if precision == self.precision or mine > theirs * (1 + self.DOOR_MARGIN):
+        by_door = self._by_door(timed)
+        done = {door: speedup for door, speedup in by_door.get(self.precision, {}).items() if door != self.through}
+        for precision, speeds in by_door.items():
+            others = {door: speedup for door, speedup in speeds.items() if door != self.through}
+            if precision == self.precision or self.through not in speeds or not others or not done:
                 continue
-            done = [(name, speedup) for name, p, speedup in timed
-                    if p == self.precision and speedup is not None and name.startswith(f"{self.name}(door=")
-                    and name != self.describe()]  # fmt: skip
-            if done:
-                name, speedup = max(done, key=lambda item: item[1])
-                return (
-                    f"the {self.through} door was not ahead of the {door} door here in {precision} ({mine:.2f}x "
-                    f"against {theirs:.2f}x), and {name} was timed at {speedup:.2f}x: a door changes the graph, in "
-                    "every precision"
-                )
+            mine, (door, theirs) = speeds[self.through], max(others.items(), key=lambda item: item[1])
+            if mine > theirs * (1 + self.DOOR_MARGIN):
+                continue
+            fastest, speedup = max(done.items(), key=lambda item: item[1])
+            return (
+                f"the {self.through} door was not ahead of the {door} door here in {precision} ({mine:.2f}x against "
+                f"{theirs:.2f}x), and {self._with(self.precision, fastest).describe()} was timed at {speedup:.2f}x: a "
+                "door changes the graph, in every precision"
+            )
         if self.through == DOORS[0]:
             return None
         compared = {target: pairs for target, other in (elsewhere or {}).items() if (pairs := self._door_pairs(other))}
@@ -237,30 +239,22 @@ class OpenVinoBackend(Backend):
     #: target does not build the variant (`cannot_win`).
     DOOR_EVIDENCE = 2
 
+    def _by_door(self, timed: Sequence[tuple[str, str, float | None]]) -> dict[str, dict[str, float]]:
+        """Per precision, the speed-up each door was timed at (`DOORS`, this instance's other options), for the
+        precisions some door was timed in."""
+        speeds = {name: speedup for name, _, speedup in timed if speedup is not None}
+        by_door = {}
+        for precision in _HINTS:
+            doors = {door: speeds[name] for door in DOORS if (name := self._with(precision, door).describe()) in speeds}
+            if doors:
+                by_door[precision] = doors
+        return by_door
+
     def _door_pairs(self, timed: Sequence[tuple[str, str, float | None]]) -> list[tuple[str, float, float]]:
         """(precision, this door's speed-up, the ONNX door's) for each precision both doors were timed in."""
-        speeds = {name: speedup for name, _, speedup in timed if speedup is not None}
-        pairs = []
-        for precision in _HINTS:
-            mine = speeds.get(self._with(precision, self.door).describe())
-            theirs = speeds.get(self._with(precision, None).describe())
-            if mine is not None and theirs is not None:
-                pairs.append((precision, mine, theirs))
-        return pairs
-
-    def _door_rivals(self, timed: Sequence[tuple[str, str, float | None]]) -> list[tuple[str, float, str, float]]:
-        """(precision, this door's speed-up, the fastest other door, its speed-up) for each precision this door and
-        another were timed in."""
-        speeds = {name: speedup for name, _, speedup in timed if speedup is not None}
-        rivals = []
-        for precision in _HINTS:
-            mine = speeds.get(self._with(precision, self.door).describe())
-            others = [(speeds[name], door) for door in DOORS if door != self.through
-                      and (name := self._with(precision, door).describe()) in speeds]  # fmt: skip
-            if mine is not None and others:
-                theirs, door = max(others)
-                rivals.append((precision, mine, door, theirs))
-        return rivals
+        onnx = DOORS[0]
+        return [(precision, speeds[self.through], speeds[onnx]) for precision, speeds in self._by_door(timed).items()
+                if self.through in speeds and onnx in speeds]  # fmt: skip
 
     def describe(self) -> str:
         options = [f"door={self.through}"] + ([f"precision={self.precision}"] if self.precision != "fp32" else [])
