@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from aitune_hf.backends.base import build_context
 from aitune_hf.core.decisions import Decision
 from aitune_hf.core.reasons import summarize
+from aitune_hf.core.report import CandidateResult, SignatureReport
 from aitune_hf.core.strategy import Strategy, TuningJob
 from aitune_hf.core.timing import clock
 
@@ -276,14 +277,11 @@ class Refinement:
         4.99 ms eager for layers 1-3 where layer 0's row, timed by its search, read 1.46x and 0.72 ms."""
         if not follower.target.serves(follower.route):
             return
-        owner, mine = self.decision.report, follower.job.report
-        assert owner is not None
-        owned = next((c for c in owner.candidates if c.backend == owner.chosen), None)
+        mine = follower.job.report
         taken = next((c for c in mine.candidates if c.backend == mine.chosen), None)
-        if owned is None or taken is None:
-            return
-        taken.latency_s, taken.speedup = owned.latency_s, owned.speedup
-        mine.eager_latency_s = owner.eager_latency_s
+        if taken is not None:
+            assert self.decision.report is not None
+            _owners_figures(mine, taken, self.decision.report)
 
     def _apply(self, follower: _Follower, found: Decision) -> None:
         """The final decision for an identical sibling: its winner built with the sibling's weights, checked on the
@@ -302,11 +300,17 @@ class Refinement:
             logger.info("%s: %s failed here (%s); the first plan serves on", follower.target.name,
                         result.backend, result.error)  # fmt: skip
             return
-        owned = next((c for c in found.report.candidates if c.backend == result.backend), None)
-        if owned is not None:  # the owner's timings, as for a shared decision (`Sourcing._shared`)
-            result.latency_s, result.speedup = owned.latency_s, owned.speedup
-            job.report.eager_latency_s = found.report.eager_latency_s
+        _owners_figures(job.report, result, found.report)  # as for a shared decision (`Sourcing._shared`)
         decision = job.choose(found.backend, result, built)
         job.report.first_plan = self._first
         job.report.search = f"took {result.backend} from the search of {self._name()}"
         follower.target.replace_route(follower.route, decision)
+
+
+def _owners_figures(report: SignatureReport, result: CandidateResult, owner: SignatureReport) -> None:
+    """An identical sibling's row (`result`, in its `report`) set to the owner's figures for the same backend: its
+    latency and speed-up, and eager's time they were measured against. Nothing where the owner has no such row."""
+    owned = next((c for c in owner.candidates if c.backend == result.backend), None)
+    if owned is not None:
+        result.latency_s, result.speedup = owned.latency_s, owned.speedup
+        report.eager_latency_s = owner.eager_latency_s
