@@ -101,10 +101,14 @@ class _Flat(torch.nn.Module):
         return out[0]
 
 
-def _peer(module: torch.nn.Module, example: dict[str, torch.Tensor], hint: str) -> Callable[[dict], Any]:
-    """`openvino.convert_model` of the module whole, every input dimension dynamic (a scalar stays one), compiled."""
+def _peer(
+    module: torch.nn.Module, calls: dict[str, dict[str, torch.Tensor]], precision: str
+) -> tuple[Any, Callable[[dict], Any]]:
+    """`openvino.convert_model` of the module whole, traced from the first of `calls`, every input dimension dynamic (a
+    scalar stays one), compiled in `precision`."""
     import openvino
 
+    example, hint = next(iter(calls.values())), {"fp32": "f32", "bf16": "bf16"}[precision]
     names = list(example)
     flat = _Flat(module, names).eval()
     with torch.no_grad():
@@ -147,11 +151,10 @@ def _engines(
 ) -> dict[str, tuple[Any, Callable[[dict], Any]]]:
     """Each engine in `order` (a door in `DOORS`, or "convert_model"), compiled in that order; a door that fails is a
     row of `lines` (once)."""
-    hint = {"fp32": "f32", "bf16": "bf16"}[precision]
     engines: dict[str, tuple[Any, Callable[[dict], Any]]] = {}
     for label in order:
         if label == "convert_model":
-            engines[label] = _peer(module, next(iter(calls.values())), hint)
+            engines[label] = _peer(module, calls, precision)
             continue
         try:
             engines[label] = _ours(module, calls, precision, label)
@@ -165,9 +168,8 @@ def _engines(
 def run(name: str, module: torch.nn.Module, calls: dict[str, dict], rounds: int, lines: list[str]) -> None:
     precisions = ["fp32"] + (["bf16"] if hardware.cpu_bf16_reason() is None else [])
     for precision in precisions:
-        hint = {"fp32": "f32", "bf16": "bf16"}[precision]
         order = [*DOORS, "convert_model"]
-        _peer(module, next(iter(calls.values())), hint)  # the process's first compile, thrown away (module docstring)
+        _peer(module, calls, precision)  # the process's first compile, thrown away (module docstring)
         copies = [_engines(name, module, calls, precision, order, lines)]
         copies.append(_engines(name, module, calls, precision, order[::-1], lines))
         engines = copies[0]
